@@ -1,0 +1,40 @@
+"""shardsafe: fast, lean, safe distributed checkpoints for PyTorch, on safetensors files."""
+
+from .adapters import ShardedTensor
+from .checkpointer import Checkpointer
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    IncompleteCheckpointError,
+    MissingKeyError,
+    PickleNotAllowedError,
+    ShapeMismatchError,
+    ShardingError,
+    StorageError,
+)
+from .format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
+from .verify import VerifyReport, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "DtypeMismatchError",
+    "IncompleteCheckpointError",
+    "MissingKeyError",
+    "PickleNotAllowedError",
+    "ShapeMismatchError",
+    "ShardedTensor",
+    "ShardingError",
+    "StorageError",
+    "StorageMetadata",
+    "TensorShardSpec",
+    "TensorStorageMetadata",
+    "VerifyReport",
+    "verify",
+]

@@ -1,0 +1,182 @@
+"""Turn a state dict into this rank's pieces: geometry for planning, views for the bytes.
+
+Supported values: ``torch.Tensor`` / ``nn.Parameter`` (replicated: the same on every rank that
+holds the key), ``DTensor`` with Shard / _StridedShard / Replicate placements on any mesh,
+:class:`ShardedTensor`, and non-tensor values (returned separately, for the JSON store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, ShardingError
+from ..format.dtypes import dtype_name
+from ..planning.geometry import Piece, chunk_bounds
+from .sharded_tensor import ShardedTensor
+
+try:  # torch >= 2.4 ships DTensor here
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - older torch
+        _StridedShard = None  # type: ignore[assignment,misc]
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["LocalTensor", "describe_state"]
+
+
+@dataclass(slots=True)
+class LocalTensor:
+    """One key as this rank holds it: pieces of the global tensor and a view on each."""
+
+    key: str
+    dtype: torch.dtype
+    dtype_name: str
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+    views: list[torch.Tensor]  # piece box shaped, or 1-D for a flat piece; shares the value's memory
+
+
+def describe_state(state_dict: dict[str, Any]) -> tuple[list[LocalTensor], dict[str, Any]]:
+    """Split ``state_dict`` into tensors (described) and other values (returned as is)."""
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    tensors: dict[str, LocalTensor] = {}
+    objects: dict[str, Any] = {}
+    for name, value in state_dict.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"state_dict keys must be non-empty strings, got {name!r}")
+        local = _describe(name, value)
+        if local is None:
+            objects[name] = value
+            continue
+        if local.key in tensors or local.key in objects:
+            raise CheckpointError(f"key {local.key!r} appears twice in the state dict")
+        tensors[local.key] = local
+    for key in objects:
+        if key in tensors:
+            raise CheckpointError(f"key {key!r} appears twice in the state dict")
+    return list(tensors.values()), objects
+
+
+def _describe(name: str, value: Any) -> LocalTensor | None:
+    if isinstance(value, ShardedTensor):
+        _check_tensor(value.key, value.data)
+        data = value.data.detach()
+        flat = None
+        if value.flattened_range is not None:
+            flat = (value.flattened_range.start, value.flattened_range.stop)
+        else:
+            data = data.reshape(value.local_shape) if data.shape != value.local_shape else data
+        piece = (value.global_offset, value.local_shape, flat)
+        return LocalTensor(value.key, data.dtype, dtype_name(data.dtype, key=value.key), value.global_shape, [piece], [data])
+    if DTensor is not None and isinstance(value, DTensor):
+        return _describe_dtensor(name, value)
+    if isinstance(value, torch.Tensor):
+        _check_tensor(name, value)
+        shape = tuple(value.shape)
+        return LocalTensor(name, value.dtype, dtype_name(value.dtype, key=name), shape, [((0,) * len(shape), shape, None)], [value.detach()])
+    return None
+
+
+def _check_tensor(key: str, t: torch.Tensor) -> None:
+    if t.is_sparse or t.layout != torch.strided:
+        raise CheckpointError(f"key {key!r}: only dense (strided) tensors can be saved, got layout {t.layout}")
+    if t.device.type == "meta":
+        raise CheckpointError(f"key {key!r}: tensor is on the meta device and holds no data; materialise it first")
+
+
+def _describe_dtensor(key: str, value: DTensor) -> LocalTensor:
+    local = value.to_local().detach()
+    _check_tensor(key, local)
+    shape = tuple(value.shape)
+    mesh = value.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not in the mesh: it holds nothing of the tensor
+        return LocalTensor(key, local.dtype, dtype_name(local.dtype, key=key), shape, [], [])
+    dims = dtensor_intervals(key, shape, tuple(mesh.shape), tuple(coord), value.placements)
+    local_shape = tuple(sum(n for _, n in iv) for iv in dims)
+    if tuple(local.shape) != local_shape:
+        raise ShardingError(
+            f"key {key!r}: DTensor local shape {list(local.shape)} differs from {list(local_shape)} implied by "
+            f"placements {value.placements} on mesh {tuple(mesh.shape)} at coordinate {tuple(coord)}"
+        )
+    pieces: list[Piece] = []
+    views: list[torch.Tensor] = []
+    # each dim's intervals sit back to back in local coordinates
+    local_starts = []
+    for iv in dims:
+        starts, acc = [], 0
+        for _, n in iv:
+            starts.append(acc)
+            acc += n
+        local_starts.append(starts)
+    for combo in product(*[range(len(iv)) for iv in dims]):
+        off = tuple(dims[d][k][0] for d, k in enumerate(combo))
+        lens = tuple(dims[d][k][1] for d, k in enumerate(combo))
+        if 0 in lens:
+            continue
+        sl = tuple(slice(local_starts[d][k], local_starts[d][k] + lens[d]) for d, k in enumerate(combo))
+        pieces.append((off, lens, None))
+        views.append(local[sl] if sl else local)
+    return LocalTensor(key, local.dtype, dtype_name(local.dtype, key=key), shape, pieces, views)
+
+
+def dtensor_intervals(
+    key: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...], placements
+) -> list[list[tuple[int, int]]]:
+    """For each tensor dim, the global ``(start, length)`` intervals this rank's local tensor
+    holds, in local order. Placements apply left to right over mesh dims, as DTensor does."""
+    dims: list[list[tuple[int, int]]] = [[(0, n)] for n in shape]
+    for mesh_dim, p in enumerate(placements):
+        n, c = mesh_shape[mesh_dim], coord[mesh_dim]
+        if _StridedShard is not None and isinstance(p, _StridedShard):
+            d, sf = p.dim, int(p.split_factor)
+            total = sum(ln for _, ln in dims[d])
+            new: list[tuple[int, int]] = []
+            for j in range(sf):
+                ps, pl = chunk_bounds(total, sf, j)
+                cs, cl = chunk_bounds(pl, n, c)
+                new += _take(dims[d], ps + cs, cl)
+            dims[d] = _merge(new)
+        elif isinstance(p, Shard):
+            d = p.dim
+            s, ln = chunk_bounds(sum(x for _, x in dims[d]), n, c)
+            dims[d] = _take(dims[d], s, ln)
+        elif isinstance(p, Replicate):
+            continue
+        else:
+            raise ShardingError(
+                f"key {key!r}: DTensor placement {p} on mesh dim {mesh_dim} cannot be saved; a Partial tensor is "
+                "not a value yet: call .redistribute(placements=[Replicate()...]) or .full_tensor() first"
+            )
+    return dims
+
+
+def _take(intervals: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+    """The global intervals of local positions ``[start, start + length)``."""
+    out, pos, end = [], 0, start + length
+    for g, n in intervals:
+        lo, hi = max(start, pos), min(end, pos + n)
+        if lo < hi:
+            out.append((g + lo - pos, hi - lo))
+        pos += n
+    return _merge(out)
+
+
+def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for g, n in intervals:
+        if n == 0:
+            continue
+        if out and out[-1][0] + out[-1][1] == g:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((g, n))
+    return out or [(0, 0)]

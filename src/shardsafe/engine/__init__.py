@@ -1,0 +1,1 @@
+"""Execution: run save plans (write, commit) and read plans (ranged reads into targets)."""

@@ -1,0 +1,184 @@
+"""Load execution: read plans run as ranged reads, straight into target memory where possible.
+
+One tensor at a time; its read items run on a small thread pool. An item whose source bytes
+are contiguous and whose target is contiguous CPU memory is read in place (``preadv`` into the
+tensor). Otherwise the bytes go through a per-thread scratch buffer, bounded by
+``read_buffer_bytes / io_threads``, and are copied into the target view. Strided source boxes
+are read as one span when the gaps are small (``coalesce_gap_bytes``), else run by run.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from math import prod
+
+import torch
+
+from ..adapters import LocalTensor
+from ..errors import CorruptCheckpointError
+from ..format.checksum import crc32c
+from ..format.metadata import TensorStorageMetadata
+from ..knobs import Knobs
+from ..planning.geometry import row_major_strides
+from ..planning.read_plan import ReadItem, StoredIndex, plan_reads
+from ..storage import Storage
+from .buffers import Scratch, byte_view, can_read_into
+
+__all__ = ["Reader"]
+
+
+class Reader:
+    """Fills targets from one checkpoint location. Use as a context manager."""
+
+    def __init__(self, storage: Storage, knobs: Knobs, *, num_threads: int | None = None) -> None:
+        self.storage = storage
+        self.threads = knobs.io_threads if num_threads is None else num_threads
+        self.budget = max(knobs.read_buffer_bytes // max(self.threads, 1), 1 << 20)
+        self.gap = knobs.coalesce_gap_bytes
+        self.scratch = Scratch()
+        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self.bytes_read = 0
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        self.scratch.clear()
+        self.storage.close()
+
+    def load_tensor(self, meta: TensorStorageMetadata, target: LocalTensor) -> None:
+        """Fill every piece of ``target`` from the stored chunks in ``meta``."""
+        items, covered = plan_reads(StoredIndex(meta), target.pieces)
+        for (off, lens, flat), got in zip(target.pieces, covered):
+            need = prod(lens) if flat is None else flat[1] - flat[0]
+            if got != need:
+                raise CorruptCheckpointError(
+                    f"key {target.key!r}: the checkpoint covers {got} of the {need} elements of the piece at "
+                    f"{list(off)} shape {list(lens)}; its chunks do not tile the tensor"
+                )
+        itemsize = target.dtype.itemsize
+        jobs = []
+        for item in items:
+            jobs.extend(self._split(item, itemsize, target))
+        if self.pool is None or len(jobs) < 2:
+            for job in jobs:
+                self._run(job, itemsize, target)
+        else:
+            for f in [self.pool.submit(self._run, job, itemsize, target) for job in jobs]:
+                f.result()
+
+    def _split(self, item: ReadItem, itemsize: int, target: LocalTensor) -> list[ReadItem]:
+        """Cut an item along dim 0 so no job needs more scratch than the budget."""
+        nbytes = prod(item.lengths) * itemsize
+        if nbytes <= self.budget or not item.lengths or item.lengths[0] < 2:
+            return [item]
+        dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
+        if _src_runs(item)[0] == 1 and can_read_into(dst):
+            return [item]  # read straight into the target: no scratch
+        row = nbytes // item.lengths[0]
+        step = max(1, self.budget // row)
+        out = []
+        for r in range(0, item.lengths[0], step):
+            n = min(step, item.lengths[0] - r)
+            out.append(
+                ReadItem(
+                    item.file, item.src_start, item.src_shape, (item.src_rel[0] + r, *item.src_rel[1:]), item.dst_piece,
+                    item.dst_flat, item.dst_shape, (item.dst_rel[0] + r, *item.dst_rel[1:]), (n, *item.lengths[1:]),
+                    None, item.chunk,
+                )
+            )
+        return out
+
+    def _run(self, item: ReadItem, itemsize: int, target: LocalTensor) -> None:
+        dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
+        n_runs, run_elems, first, kp = _src_runs(item)
+        if n_runs == 1:
+            nbytes = run_elems * itemsize
+            offset = item.src_start + first * itemsize
+            if can_read_into(dst):
+                buf = byte_view(dst) if nbytes else memoryview(b"")
+                self.storage.read_into(item.file, offset, [buf])
+            else:
+                raw = self.scratch.get(nbytes)
+                buf = byte_view(raw)
+                self.storage.read_into(item.file, offset, [buf])
+                with torch.no_grad():
+                    dst.copy_(raw.view(target.dtype).view(item.lengths))
+            self.bytes_read += nbytes
+            if item.crc32c is not None and crc32c(buf) != item.crc32c:
+                raise CorruptCheckpointError(
+                    f"key {target.key!r}: checksum mismatch in chunk {item.chunk} (bytes [{offset}, {offset + nbytes})): "
+                    f"stored crc32c {item.crc32c:#010x}, read {crc32c(buf):#010x}; the file is damaged"
+                )
+            return
+        strides = row_major_strides(item.src_shape)
+        last = sum((o + n - 1) * s for o, n, s in zip(item.src_rel, item.lengths, strides)) + 1
+        span = (last - first) * itemsize
+        needed = prod(item.lengths) * itemsize
+        gap = (strides[kp - 1] - run_elems) * itemsize  # between runs that differ in dim kp - 1
+        if gap <= self.gap or span <= needed + self.gap:
+            raw = self.scratch.get(span)
+            self.storage.read_into(item.file, item.src_start + first * itemsize, [byte_view(raw)])
+            src = raw.view(target.dtype).as_strided(item.lengths, strides)
+            self.bytes_read += span
+        else:
+            raw = self.scratch.get(needed)
+            run_bytes = run_elems * itemsize
+            mv = byte_view(raw)
+            outer = item.lengths[:kp]
+            for i, idx in enumerate(_ndindex(outer)):
+                pos = first + sum(j * s for j, s in zip(idx, strides))
+                self.storage.read_into(item.file, item.src_start + pos * itemsize, [mv[i * run_bytes : (i + 1) * run_bytes]])
+            src = raw.view(target.dtype).view(item.lengths)
+            self.bytes_read += needed
+        with torch.no_grad():
+            dst.copy_(src)
+
+
+def _contiguous_tail(item: ReadItem) -> int:
+    """How many trailing dims the copied box spans in full in its source segment."""
+    n = 0
+    for o, ln, s in zip(reversed(item.src_rel), reversed(item.lengths), reversed(item.src_shape)):
+        if o != 0 or ln != s:
+            break
+        n += 1
+    return n
+
+
+def _src_runs(item: ReadItem) -> tuple[int, int, int, int]:
+    """Where the copied box lies in its source segment, as contiguous runs of elements.
+
+    Returns (number of runs, elements per run, flat index of the first element, kp) where
+    ``kp`` is the last dim the box covers only partly: dims after it are whole, so each index
+    of dims ``[0, kp)`` is one run. Leading dims of length 1 do not split runs.
+    """
+    ndim = len(item.lengths)
+    if ndim == 0:
+        return 1, 1, 0, 0
+    tail = _contiguous_tail(item)
+    kp = ndim - tail - 1 if tail < ndim else 0
+    strides = row_major_strides(item.src_shape)
+    first = sum(o * s for o, s in zip(item.src_rel, strides))
+    return prod(item.lengths[:kp]), item.lengths[kp] * strides[kp], first, kp
+
+
+def _dst_view(item: ReadItem, piece_view: torch.Tensor, flat: bool) -> torch.Tensor:
+    """The view of the target that receives ``item``: a box of one target segment."""
+    seg = piece_view[item.dst_flat : item.dst_flat + prod(item.dst_shape)].view(item.dst_shape) if flat else piece_view
+    return seg[tuple(slice(o, o + n) for o, n in zip(item.dst_rel, item.lengths))]
+
+
+def _ndindex(shape: tuple[int, ...]):
+    if not shape:
+        yield ()
+        return
+    idx = [0] * len(shape)
+    for _ in range(prod(shape)):
+        yield tuple(idx)
+        for d in range(len(idx) - 1, -1, -1):
+            idx[d] += 1
+            if idx[d] < shape[d]:
+                break
+            idx[d] = 0

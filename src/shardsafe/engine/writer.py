@@ -1,0 +1,146 @@
+"""Save execution: each rank streams its chunks into its own safetensors file; then commit.
+
+Call order (every rank calls :func:`save_state` together):
+  describe (local) -> gather to coordinator -> plan (coordinator) -> scatter each rank's part
+  -> write + fsync (every rank) -> gather checksums -> commit ``metadata.json`` (coordinator,
+  atomic, last) -> broadcast the result. A failure on any rank at any step makes every rank
+  raise, and the coordinator removes the files this save wrote; a committed checkpoint at the
+  same location stays loadable until the new ``metadata.json`` replaces it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+from ..adapters import LocalTensor, describe_state
+from ..dist import Comm, raise_failures
+from ..errors import CheckpointError, CheckpointExistsError
+from ..format.checksum import crc32c
+from ..format.metadata import METADATA_FILENAME, StorageMetadata, TensorShardSpec, TensorStorageMetadata
+from ..knobs import Knobs
+from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name, plan_save
+from ..storage import Storage
+from .buffers import byte_view
+from .objects import encode_objects, merge_rank_objects
+
+__all__ = ["save_state"]
+
+_OUR_FILES = re.compile(r"^shard-r\d+-[0-9a-f]+\.safetensors$")
+
+
+def save_state(
+    storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs
+) -> tuple[StorageMetadata, list[str]]:
+    local: dict[str, LocalTensor] = {}
+
+    def describe():
+        tensors, objects = describe_state(state_dict)
+        local.update((t.key, t) for t in tensors)
+        descs = [TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors]
+        return descs, encode_objects(objects, allow_pickle=allow_pickle)
+
+    gathered = comm.gather(describe)
+    state: dict[str, Any] = {}
+
+    def plan() -> list[tuple[RankWritePlan, str]]:
+        raise_failures(gathered, rank=comm.rank)  # type: ignore[arg-type]
+        if not save_overwrite and METADATA_FILENAME in storage.list():
+            raise CheckpointExistsError(
+                f"{storage.url}: a checkpoint is already committed there; pass save_overwrite=True to replace it"
+            )
+        save_id = uuid.uuid4().hex[:12]
+        state["objects"] = merge_rank_objects([g[1] for g in gathered])  # type: ignore[index]
+        state["plan"] = plan_save([g[0] for g in gathered], save_id=save_id, split_bytes=knobs.replica_split_bytes)  # type: ignore[index]
+        state["save_id"] = save_id
+        return [(r, save_id) for r in state["plan"].ranks]
+
+    mine, save_id = comm.scatter(plan)
+    written = comm.gather(lambda: _write_file(storage, mine, local, knobs))
+
+    def commit() -> bytes:
+        try:
+            raise_failures(written, rank=comm.rank)  # type: ignore[arg-type]
+            meta = _build_metadata(state["plan"], written, state["objects"])  # type: ignore[union-attr]
+            raw = meta.to_json()
+            try:
+                storage.put_atomic(METADATA_FILENAME, raw, overwrite=save_overwrite)
+            except FileExistsError:
+                raise CheckpointExistsError(
+                    f"{storage.url}: a checkpoint was committed there while this save ran; pass save_overwrite=True to replace it"
+                ) from None
+        except BaseException:
+            for r in range(comm.world_size):  # leave nothing of a failed save behind
+                storage.delete(data_file_name(r, save_id))
+            raise
+        keep = meta.data_files()
+        for name in storage.list():  # files of earlier saves at this location, now unreferenced
+            if _OUR_FILES.match(name) and name not in keep:
+                storage.delete(name)
+        state["meta"] = meta
+        return raw
+
+    raw = comm.broadcast(commit)
+    meta = state.get("meta") or StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}")
+    files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
+    return meta, files
+
+
+def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTensor], knobs: Knobs) -> list[int]:
+    """Write this rank's data file; returns the CRC32C of each item, in order."""
+    if plan.file is None:
+        return []
+    crcs = []
+    with storage.write_file(plan.file) as out:
+        out.write(memoryview(plan.header))
+        for item in plan.items:
+            lt = local[item.key]
+            view = lt.views[item.piece_index]
+            piece_off = lt.pieces[item.piece_index][0]
+            if item.flat is None and item.offsets != piece_off:  # a part of a split replica
+                start = item.offsets[0] - piece_off[0]
+                view = view[start : start + item.lengths[0]]
+            data = view.detach()
+            if data.device.type != "cpu":
+                data = data.to("cpu")
+            data = data.contiguous()
+            mv = byte_view(data) if data.numel() else memoryview(b"")
+            expected = item.byte_range[1] - item.byte_range[0]
+            if mv.nbytes != expected:
+                raise CheckpointError(
+                    f"key {item.key!r}: chunk {item.name!r} has {mv.nbytes} bytes, the plan expected {expected}"
+                )
+            crc = 0
+            block = max(knobs.write_block_bytes, 1)
+            for pos in range(0, mv.nbytes, block):
+                part = mv[pos : pos + block]
+                crc = crc32c(part, crc)
+                out.write(part)
+            crcs.append(crc)
+    return crcs
+
+
+def _build_metadata(plan: SavePlan, crcs: list[list[int]], objects: tuple[dict[str, Any], dict[str, str]]) -> StorageMetadata:
+    tensors = {}
+    for key, tp in plan.tensors.items():
+        per_file: dict[str, list[TensorShardSpec]] = {}
+        for rank, j in tp.chunks:
+            rp = plan.ranks[rank]
+            it = rp.items[j]
+            spec = TensorShardSpec(
+                global_offset=it.offsets,
+                local_shape=it.lengths,
+                flattened_range=it.flat,
+                name=it.name,
+                byte_range=it.byte_range,
+                crc32c=crcs[rank][j],
+            )
+            per_file.setdefault(rp.file, []).append(spec)  # type: ignore[arg-type]
+        tensors[key] = TensorStorageMetadata(shape=tp.shape, dtype=tp.dtype, is_sharded=tp.is_sharded, shard_spec_per_file=per_file)
+    return StorageMetadata(tensors=tensors, objects=objects[0], pickled_objects=objects[1])
+
+
+def is_our_data_file(name: str) -> bool:
+    return bool(_OUR_FILES.match(name))
+

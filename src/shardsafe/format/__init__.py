@@ -1,0 +1,1 @@
+"""On-disk format: safetensors data files, ``metadata.json`` models, checksums, dtypes."""

@@ -1,0 +1,51 @@
+"""The dtypes a checkpoint can hold, by the names that metadata and safetensors headers use."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DtypeMismatchError
+
+__all__ = ["SAFETENSORS_CODE", "dtype_name", "itemsize", "torch_dtype"]
+
+# torch dtype -> safetensors header code; the set safetensors itself can store.
+SAFETENSORS_CODE: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+_BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_CODE}
+
+
+def dtype_name(dtype: torch.dtype, *, key: str = "") -> str:
+    """The metadata name of ``dtype`` (``"bfloat16"``); raises if safetensors cannot store it."""
+    if dtype not in SAFETENSORS_CODE:
+        where = f" for key {key!r}" if key else ""
+        supported = ", ".join(sorted(_BY_NAME))
+        raise DtypeMismatchError(f"dtype {dtype}{where} cannot be stored in safetensors; supported: {supported}")
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a metadata name; raises ``DtypeMismatchError`` for an unknown one."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise DtypeMismatchError(f"unknown dtype {name!r} in checkpoint metadata") from None
+
+
+def itemsize(name: str) -> int:
+    return torch_dtype(name).itemsize

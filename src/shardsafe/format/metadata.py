@@ -1,0 +1,210 @@
+"""``metadata.json``: the versioned JSON document that commits a checkpoint.
+
+Follows the reference ``StorageMetadata`` / ``TensorStorageMetadata`` / ``TensorShardSpec``
+models, extended for this format: a file may hold several chunks of one tensor (so
+``shard_spec_per_file`` maps a file to a *list* of specs), and each spec carries the entry name
+in the file, the absolute byte range and a CRC32C of the chunk's bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from math import prod
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..errors import CorruptCheckpointError
+from .dtypes import torch_dtype
+
+__all__ = [
+    "FORMAT_VERSION",
+    "METADATA_FILENAME",
+    "StorageMetadata",
+    "TensorShardSpec",
+    "TensorStorageMetadata",
+    "is_data_file_name",
+]
+
+FORMAT_VERSION = 1
+METADATA_FILENAME = "metadata.json"
+_DATA_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
+
+
+def is_data_file_name(name: str) -> bool:
+    """True for a plain file name (no directory part) that a data file may have."""
+    return bool(_DATA_FILE.match(name)) and ".." not in name
+
+
+class TensorShardSpec(BaseModel):
+    """One stored chunk: a box of the global tensor, or a flat slice of such a box."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    global_offset: tuple[int, ...]
+    """Start of the chunk's box in every dimension of the global tensor."""
+    local_shape: tuple[int, ...]
+    """Shape of the chunk's box (before any flattening)."""
+    flattened_range: tuple[int, int] | None = None
+    """If set, the chunk stores only elements ``[start, stop)`` of the box flattened row-major."""
+    name: str
+    """Entry name of the chunk inside its safetensors file."""
+    byte_range: tuple[int, int]
+    """Absolute ``[start, end)`` byte offsets of the chunk's data in its file."""
+    crc32c: int = Field(ge=0, lt=1 << 32)
+    """CRC32C of the chunk's bytes."""
+
+    @property
+    def local_numel(self) -> int:
+        if self.flattened_range is not None:
+            return self.flattened_range[1] - self.flattened_range[0]
+        return prod(self.local_shape)
+
+    def get_flattened_offsets(self, full_shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+        """``[start, stop)`` ranges of the full tensor's row-major flattening this chunk covers."""
+        from ..planning.geometry import flat_segments
+
+        strides = _row_major_strides(full_shape)
+        lo, hi = self.flattened_range if self.flattened_range is not None else (0, prod(self.local_shape))
+        for rel, lengths, _ in flat_segments(self.local_shape, lo, hi):
+            # a segment is a box spanning whole trailing dims after its first non-unit dim
+            start = [o + r for o, r in zip(self.global_offset, rel)]
+            yield from _box_rows(start, lengths, full_shape, strides)
+
+    def get_merged_flattened_offsets(self, full_shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+        """Like :meth:`get_flattened_offsets`, with touching ranges merged."""
+        current: list[int] | None = None
+        for lo, hi in self.get_flattened_offsets(full_shape):
+            if current is not None and current[1] == lo:
+                current[1] = hi
+                continue
+            if current is not None:
+                yield current[0], current[1]
+            current = [lo, hi]
+        if current is not None:
+            yield current[0], current[1]
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
+
+
+def _box_rows(start, lengths, full_shape, strides) -> Iterator[tuple[int, int]]:
+    # innermost dimension gives contiguous runs; enumerate the outer index space row-major
+    ndim = len(full_shape)
+    if ndim == 0:
+        yield 0, 1
+        return
+    run = lengths[-1]
+    outer = list(lengths[:-1])
+    idx = [0] * len(outer)
+    for _ in range(prod(outer)):
+        flat = sum((start[d] + idx[d]) * strides[d] for d in range(ndim - 1)) + start[-1]
+        yield flat, flat + run
+        for d in range(len(idx) - 1, -1, -1):
+            idx[d] += 1
+            if idx[d] < outer[d]:
+                break
+            idx[d] = 0
+
+
+class TensorStorageMetadata(BaseModel):
+    """A stored tensor: its global shape and dtype, and where its chunks lie."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    shape: tuple[int, ...]
+    """Shape of the full (unsharded) tensor."""
+    dtype: str
+    """dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``."""
+    is_sharded: bool
+    """Whether the tensor was sharded (not replicated) when saved."""
+    shard_spec_per_file: dict[str, list[TensorShardSpec]]
+    """Data file name -> the chunks of this tensor stored in it."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        torch_dtype(v)
+        return v
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    def materialize_empty(self, *, device: torch.device | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        return torch.empty(shape if shape is not None else self.shape, dtype=self.torch_dtype, device=device)
+
+    def chunks(self) -> Iterator[tuple[str, TensorShardSpec]]:
+        for file, specs in self.shard_spec_per_file.items():
+            for spec in specs:
+                yield file, spec
+
+    def get_flattened_offsets_in_file(self, filename: str) -> Iterator[tuple[int, int]]:
+        for spec in self.shard_spec_per_file.get(filename, []):
+            yield from spec.get_flattened_offsets(self.shape)
+
+    def get_numel_in_file(self, filename: str) -> int:
+        return sum(spec.local_numel for spec in self.shard_spec_per_file.get(filename, []))
+
+
+class StorageMetadata(BaseModel):
+    """The whole of ``metadata.json``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    tensors: dict[str, TensorStorageMetadata]
+    objects: dict[str, Any] = {}
+    """Non-tensor values, stored as JSON."""
+    pickled_objects: dict[str, str] = {}
+    """Non-tensor values that needed pickle (base64), present only if the saver opted in."""
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=None).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, *, where: str) -> StorageMetadata:
+        """Parse and validate ``metadata.json``; ``where`` names it in errors."""
+        try:
+            meta = cls.model_validate_json(raw)
+        except ValidationError as e:
+            raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
+        if meta.format_version > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{where}: format_version {meta.format_version} is newer than this shardsafe "
+                f"reads ({FORMAT_VERSION}); upgrade shardsafe"
+            )
+        meta._check(where)
+        return meta
+
+    def data_files(self) -> set[str]:
+        return {f for t in self.tensors.values() for f in t.shard_spec_per_file}
+
+    def _check(self, where: str) -> None:
+        from ..planning.geometry import check_tiling
+
+        for key, t in self.tensors.items():
+            for file, spec in t.chunks():
+                if not is_data_file_name(file):
+                    raise CorruptCheckpointError(
+                        f"{where}: tensor {key!r} names data file {file!r}, which is not a plain "
+                        "file name inside the checkpoint directory; refusing to read it"
+                    )
+                nbytes = spec.local_numel * t.torch_dtype.itemsize
+                if spec.byte_range[1] - spec.byte_range[0] != nbytes or spec.byte_range[0] < 0:
+                    raise CorruptCheckpointError(
+                        f"{where}: tensor {key!r}, chunk {spec.name!r} in {file!r}: byte range "
+                        f"{list(spec.byte_range)} does not hold {nbytes} bytes"
+                    )
+            pieces = [(s.global_offset, s.local_shape, s.flattened_range) for _, s in t.chunks()]
+            try:
+                check_tiling(key, t.shape, pieces)
+            except Exception as e:
+                raise CorruptCheckpointError(f"{where}: {e}") from None

@@ -1,0 +1,1 @@
+"""Planning: pure functions over small frozen objects. No torch.distributed, no I/O."""

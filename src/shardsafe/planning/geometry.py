@@ -1,0 +1,167 @@
+"""Boxes, flat slices of boxes, and the overlap arithmetic that resharding reduces to.
+
+A *box* is ``(offsets, lengths)`` in global coordinates. A stored or target piece is a box, or
+the flat slice ``[start, stop)`` of a box's row-major flattening (FSDP1 flat parameters,
+distributed optimizers). A flat slice splits into at most ``2 * ndim - 1`` *segments*: boxes
+that are each contiguous in the flattening and whose own row-major order matches it. Once
+everything is segments, loading is box intersection and nothing else.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from ..errors import ShardingError
+
+__all__ = [
+    "Piece",
+    "check_tiling",
+    "chunk_bounds",
+    "flat_segments",
+    "intersect",
+    "row_major_strides",
+]
+
+Shape = tuple[int, ...]
+# (offsets, lengths, flat range or None): the geometry of one stored or held piece
+Piece = tuple[Shape, Shape, "tuple[int, int] | None"]
+
+
+def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of part ``index`` when ``length`` is split like ``torch.chunk``."""
+    full = -(-length // parts) if parts else 0
+    start = min(length, full * index)
+    return start, max(0, min(length, start + full) - start)
+
+
+def row_major_strides(shape: Shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def intersect(a_off: Shape, a_len: Shape, b_off: Shape, b_len: Shape) -> tuple[Shape, Shape] | None:
+    """The overlap of two boxes, or None when they do not overlap (or it is empty)."""
+    off, lens = [], []
+    for ao, al, bo, bl in zip(a_off, a_len, b_off, b_len):
+        lo = ao if ao > bo else bo
+        hi = min(ao + al, bo + bl)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        lens.append(hi - lo)
+    return tuple(off), tuple(lens)
+
+
+def flat_segments(shape: Shape, start: int, stop: int) -> list[tuple[Shape, Shape, int]]:
+    """Split the flat slice ``[start, stop)`` of a box of ``shape`` into segments.
+
+    Returns ``(offsets relative to the box, lengths, flat start)`` for each segment, in flat
+    order. Each segment is contiguous in the flattening and spans whole trailing dimensions
+    after its first non-unit one, so its row-major order is the flat order.
+    """
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    inner = prod(shape[1:])
+    tail = shape[1:]
+    out: list[tuple[Shape, Shape, int]] = []
+    i0, r0 = divmod(start, inner)
+    i1, r1 = divmod(stop, inner)
+    if r0:
+        row_stop = stop - i0 * inner if i1 == i0 else inner
+        for o, ln, fs in flat_segments(tail, r0, row_stop):
+            out.append(((i0, *o), (1, *ln), i0 * inner + fs))
+        if i1 == i0:
+            return out
+        i0 += 1
+    if i1 > i0:
+        out.append(((i0, *(0,) * len(tail)), (i1 - i0, *tail), i0 * inner))
+    if r1:
+        for o, ln, fs in flat_segments(tail, 0, r1):
+            out.append(((i1, *o), (1, *ln), i1 * inner + fs))
+    return out
+
+
+def check_tiling(key: str, shape: Shape, pieces: list[Piece]) -> None:
+    """Raise ``ShardingError`` unless the distinct ``pieces`` tile ``shape`` exactly.
+
+    ``pieces`` must already be deduplicated (replicas removed). Each piece lies inside the
+    tensor, no two overlap, and together they cover every element.
+    """
+    total = prod(shape)
+    covered = 0
+    by_box: dict[tuple[Shape, Shape], list[tuple[int, int] | None]] = {}
+    ndim = len(shape)
+    for off, lens, flat in pieces:
+        if len(off) != ndim or len(lens) != ndim:
+            raise ShardingError(f"key {key!r}: piece at {list(off)} of shape {list(lens)} has the wrong rank for global shape {list(shape)}")
+        for d in range(ndim):
+            if off[d] < 0 or lens[d] < 0 or off[d] + lens[d] > shape[d]:
+                raise ShardingError(
+                    f"key {key!r}: piece at offset {list(off)} with shape {list(lens)} lies outside the global shape {list(shape)}"
+                )
+        n = prod(lens)
+        if flat is not None:
+            if not 0 <= flat[0] <= flat[1] <= n:
+                raise ShardingError(f"key {key!r}: flattened range {list(flat)} outside its box of {n} elements")
+            n = flat[1] - flat[0]
+        if n == 0:
+            continue
+        covered += n
+        by_box.setdefault((off, lens), []).append(flat)
+
+    for (off, lens), flats in by_box.items():
+        if len(flats) == 1:
+            continue
+        if any(f is None for f in flats):
+            raise ShardingError(f"key {key!r}: box at {list(off)} shape {list(lens)} is stored twice (overlap)")
+        ordered = sorted(flats)  # type: ignore[type-var]
+        for a, b in zip(ordered, ordered[1:]):
+            if b[0] < a[1]:  # type: ignore[index]
+                raise ShardingError(f"key {key!r}: flattened ranges {list(a)} and {list(b)} of box at {list(off)} overlap")
+    clash = _find_overlap(list(by_box), 0, ndim)
+    if clash is not None:
+        (ao, al), (bo, bl) = clash
+        raise ShardingError(
+            f"key {key!r}: pieces at {list(ao)} shape {list(al)} and at {list(bo)} shape {list(bl)} overlap"
+        )
+    if covered != total:
+        raise ShardingError(
+            f"key {key!r}: pieces cover {covered} of the {total} elements of global shape {list(shape)} "
+            "(a gap: some part of the tensor is held by no rank)"
+        )
+
+
+def _find_overlap(boxes: list[tuple[Shape, Shape]], dim: int, ndim: int):
+    """A pair of distinct boxes that overlap, or None.
+
+    Sweeps one dimension at a time: boxes with the same interval on ``dim`` are recursed on the
+    next dimension, so grid layouts (any mix of Shard placements) cost O(n log n); only
+    partially overlapping intervals fall back to pairwise checks.
+    """
+    if len(boxes) < 2:
+        return None
+    if dim == ndim:
+        return boxes[0], boxes[1]
+    groups: dict[tuple[int, int], list[tuple[Shape, Shape]]] = {}
+    for b in boxes:
+        groups.setdefault((b[0][dim], b[0][dim] + b[1][dim]), []).append(b)
+    if len(groups) == 1:
+        return _find_overlap(boxes, dim + 1, ndim)
+    active: list[tuple[int, list[tuple[Shape, Shape]]]] = []  # (stop, boxes) overlapping the sweep
+    for (lo, hi), members in sorted(groups.items()):
+        active = [(stop, m) for stop, m in active if stop > lo]
+        for _, other in active:
+            for a in members:
+                for b in other:
+                    if intersect(a[0], a[1], b[0], b[1]) is not None:
+                        return a, b
+        active.append((hi, members))
+        found = _find_overlap(members, dim + 1, ndim)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,103 @@
+"""Read plans: intersect a rank's target pieces with the stored chunks of a tensor.
+
+Each :class:`ReadItem` is a box copy: a box of one stored segment (a run of bytes in a file)
+goes to a box of one target segment. Which bytes of the file that means, and how to coalesce
+them, is decided when the item runs (``engine.reader``), where the storage's costs are known.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from math import prod
+
+from ..format.metadata import TensorStorageMetadata
+from .geometry import Piece, Shape, flat_segments, intersect
+
+__all__ = ["ReadItem", "StoredIndex", "plan_reads"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadItem:
+    file: str
+    src_start: int  # absolute byte offset of the source segment's first element
+    src_shape: Shape  # the source segment's box lengths
+    src_rel: Shape  # the copied box's offset inside the source segment
+    dst_piece: int  # which target piece receives it
+    dst_flat: int  # element offset of the target segment inside the piece's data (flat)
+    dst_shape: Shape  # the target segment's box lengths
+    dst_rel: Shape  # the copied box's offset inside the target segment
+    lengths: Shape  # the copied box
+    crc32c: int | None  # the chunk's checksum when this item reads the whole chunk, else None
+    chunk: str  # "file:entry", to name in errors
+
+
+class StoredIndex:
+    """The stored segments of one tensor, sorted for overlap queries on dimension 0."""
+
+    def __init__(self, meta: TensorStorageMetadata) -> None:
+        self.itemsize = meta.torch_dtype.itemsize
+        segs = []
+        for file, spec in meta.chunks():
+            lo, hi = spec.flattened_range if spec.flattened_range is not None else (0, prod(spec.local_shape))
+            parts = flat_segments(spec.local_shape, lo, hi)
+            whole = spec.crc32c if len(parts) == 1 else None
+            for rel, lens, fs in parts:
+                off = tuple(o + r for o, r in zip(spec.global_offset, rel))
+                start = spec.byte_range[0] + (fs - lo) * self.itemsize
+                segs.append((off, lens, file, start, whole, f"{file}:{spec.name}"))
+        segs.sort(key=lambda s: s[0][:1])
+        self.segments = segs
+        self.starts = [s[0][0] if s[0] else 0 for s in segs]
+        self.max_len0 = max((s[1][0] if s[1] else 1 for s in segs), default=0)
+
+    def overlapping(self, off: Shape, lens: Shape):
+        if not off:
+            return self.segments
+        a, b = off[0], off[0] + lens[0]
+        lo = bisect_right(self.starts, a - self.max_len0)
+        hi = bisect_left(self.starts, b)
+        return self.segments[lo:hi]
+
+
+def plan_reads(index: StoredIndex, targets: list[Piece]) -> tuple[list[ReadItem], list[int]]:
+    """Read items that fill ``targets`` (this rank's pieces of one tensor) from ``index``.
+
+    Also returns, per target piece, how many of its elements the items cover; stored chunks
+    are disjoint (checked when the metadata is read), so a piece is fully loaded exactly when
+    that count equals its size.
+    """
+    items: list[ReadItem] = []
+    covered = [0] * len(targets)
+    for p, (t_off, t_lens, t_flat) in enumerate(targets):
+        if t_flat is None:
+            t_segs = [((0,) * len(t_lens), t_lens, 0)]
+            base = 0
+        else:
+            t_segs = flat_segments(t_lens, t_flat[0], t_flat[1])
+            base = t_flat[0]
+        for rel, lens, fs in t_segs:
+            g_off = tuple(o + r for o, r in zip(t_off, rel))
+            for s_off, s_lens, file, s_start, crc, chunk in index.overlapping(g_off, lens):
+                hit = intersect(g_off, lens, s_off, s_lens)
+                if hit is None:
+                    continue
+                h_off, h_lens = hit
+                whole = crc if h_lens == s_lens else None
+                items.append(
+                    ReadItem(
+                        file=file,
+                        src_start=s_start,
+                        src_shape=s_lens,
+                        src_rel=tuple(h - s for h, s in zip(h_off, s_off)),
+                        dst_piece=p,
+                        dst_flat=fs - base,
+                        dst_shape=lens,
+                        dst_rel=tuple(h - g for h, g in zip(h_off, g_off)),
+                        lengths=h_lens,
+                        crc32c=whole,
+                        chunk=chunk,
+                    )
+                )
+                covered[p] += prod(h_lens)
+    return items, covered

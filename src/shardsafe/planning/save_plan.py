@@ -1,0 +1,167 @@
+"""The save plan: from every rank's description to who writes which chunk where.
+
+Pure function of the gathered descriptions, run once on the coordinator:
+
+1. check that every rank agrees on each key's dtype and global shape;
+2. deduplicate: pieces with identical geometry are replicas and are written once;
+3. check that the distinct pieces tile each tensor (no gap, no overlap);
+4. assign writers: a piece held by one rank is written by it; replicated pieces go to the
+   least-loaded holder, largest first, and large replicated boxes are first split along dim 0
+   so that several replicas share the write;
+5. lay out each rank's safetensors file, so the metadata's byte ranges are known up front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from ..errors import DtypeMismatchError, ShapeMismatchError
+from ..format.dtypes import SAFETENSORS_CODE, torch_dtype
+from ..format.safetensors_file import FileEntry, layout_file
+from .geometry import Piece, Shape, check_tiling, chunk_bounds
+
+__all__ = ["RankWritePlan", "SavePlan", "TensorDesc", "WriteItem", "data_file_name", "plan_save"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDesc:
+    """What one rank holds of one tensor: its global facts and its local pieces."""
+
+    key: str
+    dtype: str
+    shape: Shape
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteItem:
+    """One chunk a rank writes: a (sub-)box of one of its pieces, stored as one file entry."""
+
+    key: str
+    piece_index: int  # which of the rank's pieces of ``key`` holds the data
+    offsets: Shape
+    lengths: Shape
+    flat: tuple[int, int] | None
+    name: str
+    byte_range: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RankWritePlan:
+    file: str | None  # None when the rank writes nothing
+    header: bytes
+    items: tuple[WriteItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlan:
+    dtype: str
+    shape: Shape
+    is_sharded: bool
+    chunks: tuple[tuple[int, int], ...]  # (rank, index into that rank's items)
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    ranks: tuple[RankWritePlan, ...]
+    tensors: dict[str, TensorPlan]
+
+
+def data_file_name(rank: int, save_id: str) -> str:
+    return f"shard-r{rank:05d}-{save_id}.safetensors"
+
+
+def _entry_name(key: str, shape: Shape, offsets: Shape, lengths: Shape, flat: tuple[int, int] | None) -> str:
+    if flat is None and lengths == shape and not any(offsets):
+        return key
+    name = f"{key}@{','.join(map(str, offsets))}"
+    return name if flat is None else f"{name}+{flat[0]}"
+
+
+def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int) -> SavePlan:
+    """Plan a save from ``descs[rank]``, each rank's descriptions.
+
+    Raises ``DtypeMismatchError`` / ``ShapeMismatchError`` when ranks disagree on a key, and
+    ``ShardingError`` when a tensor's pieces leave a gap or overlap.
+    """
+    world = len(descs)
+    facts: dict[str, tuple[str, Shape, int]] = {}
+    # key -> geometry -> [(rank, piece_index)]
+    holders: dict[str, dict[Piece, list[tuple[int, int]]]] = {}
+    for rank, tensors in enumerate(descs):
+        for t in tensors:
+            known = facts.get(t.key)
+            if known is None:
+                facts[t.key] = (t.dtype, t.shape, rank)
+            elif known[0] != t.dtype:
+                raise DtypeMismatchError(f"key {t.key!r}: rank {known[2]} holds dtype {known[0]}, rank {rank} holds {t.dtype}")
+            elif known[1] != t.shape:
+                raise ShapeMismatchError(
+                    f"key {t.key!r}: rank {known[2]} has global shape {list(known[1])}, rank {rank} has {list(t.shape)}"
+                )
+            by_geom = holders.setdefault(t.key, {})
+            for i, p in enumerate(t.pieces):
+                by_geom.setdefault(p, []).append((rank, i))
+
+    load = [0] * world
+    assigned: list[list[tuple[str, int, Shape, Shape, tuple[int, int] | None]]] = [[] for _ in range(world)]
+    replicated: list[tuple[int, str, Piece, list[tuple[int, int]]]] = []
+    sharded: dict[str, bool] = {}
+    for key, by_geom in holders.items():
+        dtype, shape, _ = facts[key]
+        check_tiling(key, shape, list(by_geom))
+        item = torch_dtype(dtype).itemsize
+        nonempty = [(g, h) for g, h in by_geom.items() if _numel(g)]
+        sharded[key] = not (len(nonempty) == 1 and nonempty[0][0][1] == shape and nonempty[0][0][2] is None)
+        for geom, owners in nonempty:
+            nbytes = _numel(geom) * item
+            if len(owners) == 1:
+                rank, idx = owners[0]
+                assigned[rank].append((key, idx, geom[0], geom[1], geom[2]))
+                load[rank] += nbytes
+            else:
+                replicated.append((nbytes, key, geom, owners))
+
+    replicated.sort(key=lambda r: -r[0])
+    for nbytes, key, (off, lens, flat), owners in replicated:
+        parts = 1
+        if flat is None and lens and nbytes > split_bytes:
+            parts = min(len(owners), lens[0], -(-nbytes // split_bytes))
+        for p in range(parts):
+            start, size = chunk_bounds(lens[0], parts, p) if parts > 1 else (0, lens[0] if lens else 0)
+            sub_off = (off[0] + start, *off[1:]) if parts > 1 else off
+            sub_len = (size, *lens[1:]) if parts > 1 else lens
+            rank, idx = min(owners, key=lambda o: (load[o[0]], o[0]))
+            assigned[rank].append((key, idx, sub_off, sub_len, flat))
+            load[rank] += nbytes * size // lens[0] if parts > 1 else nbytes
+
+    chunks: dict[str, list[tuple[int, int]]] = {key: [] for key in holders}
+    ranks = []
+    for rank, items in enumerate(assigned):
+        if not items:
+            ranks.append(RankWritePlan(None, b"", ()))
+            continue
+        entries = []
+        for key, _idx, off, lens, flat in items:
+            dtype, shape, _ = facts[key]
+            td = torch_dtype(dtype)
+            shape_in_file = lens if flat is None else (flat[1] - flat[0],)
+            name = _entry_name(key, shape, off, lens, flat)
+            entries.append(FileEntry(name, SAFETENSORS_CODE[td], shape_in_file, prod(shape_in_file) * td.itemsize))
+        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "1"})
+        plan_items = []
+        for j, ((key, idx, off, lens, flat), entry, br) in enumerate(zip(items, entries, layout.byte_ranges)):
+            plan_items.append(WriteItem(key, idx, off, lens, flat, entry.name, br))
+            chunks[key].append((rank, j))
+        ranks.append(RankWritePlan(data_file_name(rank, save_id), layout.header, tuple(plan_items)))
+
+    tensors = {
+        key: TensorPlan(facts[key][0], facts[key][1], sharded[key], tuple(chunks[key])) for key in holders
+    }
+    return SavePlan(tuple(ranks), tensors)
+
+
+def _numel(geom: Piece) -> int:
+    flat = geom[2]
+    return flat[1] - flat[0] if flat is not None else prod(geom[1])

@@ -1,0 +1,82 @@
+"""The storage interface: bytes in and out of one checkpoint location, nothing about tensors.
+
+A ``Storage`` is bound to one checkpoint root (a directory, or a prefix in a store) and takes
+plain file names relative to it; a name with a directory part, ``..`` or an absolute path is
+refused, so nothing is ever written or read outside the root. Paths are ``str``, because
+``pathlib`` mangles URLs such as ``s3://``.
+
+Call order for a save: every rank ``write_file``s its data file (durable when the context
+exits without error), then one rank ``put_atomic``s ``metadata.json``, which is the commit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+from ..errors import StorageError
+
+__all__ = ["Storage", "Writer", "check_name", "open_storage"]
+
+
+class Writer(Protocol):
+    def write(self, data: memoryview) -> None:
+        """Append ``data``; the whole of it is written before this returns."""
+
+
+class Storage(Protocol):
+    url: str
+
+    def write_file(self, name: str) -> AbstractContextManager[Writer]:
+        """Stream a new file. On normal exit it is durable (fsynced); on error it is removed."""
+
+    def put_atomic(self, name: str, data: bytes, *, overwrite: bool) -> None:
+        """Write a small file all at once, atomically: readers see the old or the new, never a mix.
+
+        With ``overwrite=False`` an existing file is left alone and ``FileExistsError`` raised.
+        """
+
+    def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` in order with the bytes starting at ``offset``.
+
+        Raises ``CorruptCheckpointError`` if the file ends first, ``StorageError`` on I/O error.
+        """
+
+    def read(self, name: str) -> bytes:
+        """The whole file; ``FileNotFoundError`` if it does not exist."""
+
+    def list(self) -> list[str]:
+        """Names of the files at the root (empty if the root does not exist)."""
+
+    def delete(self, name: str) -> None:
+        """Remove a file; a missing file is not an error."""
+
+    def close(self) -> None:
+        """Release open handles; the storage may be used again afterwards."""
+
+
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
+
+
+def check_name(name: str) -> str:
+    if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
+        raise StorageError(f"refusing file name {name!r}: only plain names inside the checkpoint root are allowed")
+    return name
+
+
+def open_storage(location: str | os.PathLike[str]) -> Storage:
+    """The backend for a checkpoint location: a local path, ``file://``, or ``memory://``."""
+    loc = os.fspath(location)
+    m = _SCHEME.match(loc)
+    scheme = m.group(1).lower() if m else "file"
+    if scheme == "file":
+        from .local import LocalStorage
+
+        return LocalStorage(m.group(2) if m else loc)
+    if scheme == "memory":
+        from .memory import MemoryStorage
+
+        return MemoryStorage(loc)
+    raise StorageError(f"{loc}: no storage backend for scheme {scheme!r}; supported: local paths, file://, memory://")

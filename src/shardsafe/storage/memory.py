@@ -1,0 +1,89 @@
+"""In-memory storage, for tests and for moving a checkpoint between objects in one process.
+
+Stores are process-global, keyed by URL (``memory://name``), so a save and a later load in
+the same process see the same files.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..errors import CorruptCheckpointError
+from .base import check_name
+
+__all__ = ["MemoryStorage"]
+
+_LOCK = threading.Lock()
+_STORES: dict[str, dict[str, bytes]] = {}
+
+
+class _BufferWriter:
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def write(self, data: memoryview) -> None:
+        self.buf += memoryview(data).cast("B")
+
+
+class MemoryStorage:
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        with _LOCK:
+            self._files = _STORES.setdefault(self.url, {})
+
+    @contextmanager
+    def write_file(self, name: str) -> Iterator[_BufferWriter]:
+        check_name(name)
+        w = _BufferWriter()
+        yield w
+        with _LOCK:
+            self._files[name] = bytes(w.buf)
+
+    def put_atomic(self, name: str, data: bytes, *, overwrite: bool) -> None:
+        check_name(name)
+        with _LOCK:
+            if not overwrite and name in self._files:
+                raise FileExistsError(f"{self.url}/{name}")
+            self._files[name] = bytes(data)
+
+    def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
+        data = self._get(name)
+        pos = offset
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            end = pos + view.nbytes
+            if end > len(data):
+                raise CorruptCheckpointError(
+                    f"{self.url}/{name}: truncated: needed bytes up to {end} but the file has {len(data)} bytes"
+                )
+            view[:] = data[pos:end]
+            pos = end
+
+    def _get(self, name: str) -> bytes:
+        check_name(name)
+        with _LOCK:
+            data = self._files.get(name)
+        if data is None:
+            raise CorruptCheckpointError(f"{self.url}/{name}: data file named in the metadata is missing")
+        return data
+
+    def read(self, name: str) -> bytes:
+        check_name(name)
+        with _LOCK:
+            data = self._files.get(name)
+        if data is None:
+            raise FileNotFoundError(f"{self.url}/{name}")
+        return data
+
+    def list(self) -> list[str]:
+        with _LOCK:
+            return sorted(self._files)
+
+    def delete(self, name: str) -> None:
+        with _LOCK:
+            self._files.pop(check_name(name), None)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,101 @@
+"""``verify``: read every stored chunk, check its checksum and its safetensors header entry."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .errors import CorruptCheckpointError
+from .format.checksum import crc32c
+from .format.dtypes import SAFETENSORS_CODE
+from .format.metadata import StorageMetadata
+from .format.safetensors_file import parse_header
+from .knobs import KNOBS
+from .storage import open_storage
+
+__all__ = ["VerifyReport", "verify"]
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify` checked, and what it found wrong (empty when all is well)."""
+
+    files: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def verify(dir: str | os.PathLike[str], *, collect_all: bool = False) -> VerifyReport:
+    """Read every chunk of the checkpoint at ``dir`` and check it against the metadata.
+
+    Raises ``CorruptCheckpointError`` at the first bad chunk, or with ``collect_all=True``
+    returns a report listing every problem. Needs no process group.
+    """
+    storage = open_storage(dir)
+    from .checkpointer import _read_metadata
+    from .dist import get_comm
+
+    meta: StorageMetadata = _read_metadata(storage, get_comm(no_dist=True))
+    report = VerifyReport()
+
+    def fail(msg: str) -> None:
+        if not collect_all:
+            raise CorruptCheckpointError(msg)
+        report.errors.append(msg)
+
+    by_file: dict[str, list] = {}
+    for key, t in meta.tensors.items():
+        for file, spec in t.chunks():
+            by_file.setdefault(file, []).append((key, t, spec))
+    block = KNOBS.read_buffer_bytes
+    try:
+        for file, chunks in sorted(by_file.items()):
+            report.files += 1
+            where = f"{storage.url.rstrip('/')}/{file}"
+            try:
+                head = bytearray(8)
+                storage.read_into(file, 0, [memoryview(head)])
+                n = int.from_bytes(head, "little")
+                prefix = bytearray(8 + n)
+                storage.read_into(file, 0, [memoryview(prefix)])
+                data_start, header = parse_header(bytes(prefix))
+            except (ValueError, CorruptCheckpointError) as e:
+                fail(f"{where}: not a valid safetensors file: {e}")
+                continue
+            for key, t, spec in chunks:
+                report.chunks += 1
+                entry = header.get(spec.name)
+                shape = list(spec.local_shape) if spec.flattened_range is None else [spec.local_numel]
+                expect = {
+                    "dtype": SAFETENSORS_CODE[t.torch_dtype],
+                    "shape": shape,
+                    "data_offsets": [spec.byte_range[0] - data_start, spec.byte_range[1] - data_start],
+                }
+                if entry != expect:
+                    fail(f"{where}: key {key!r}, entry {spec.name!r}: header has {entry}, metadata expects {expect}")
+                    continue
+                crc, pos, end = 0, spec.byte_range[0], spec.byte_range[1]
+                buf = bytearray(min(block, end - pos))
+                try:
+                    while pos < end:
+                        view = memoryview(buf)[: min(block, end - pos)]
+                        storage.read_into(file, pos, [view])
+                        crc = crc32c(view, crc)
+                        pos += view.nbytes
+                except CorruptCheckpointError as e:
+                    fail(f"key {key!r}: {e}")
+                    continue
+                report.bytes += end - spec.byte_range[0]
+                if crc != spec.crc32c:
+                    fail(
+                        f"{where}: key {key!r}, chunk {spec.name!r}: checksum mismatch: stored crc32c "
+                        f"{spec.crc32c:#010x}, computed {crc:#010x}"
+                    )
+    finally:
+        storage.close()
+    return report
