@@ -8,8 +8,9 @@ waiting forever in the next collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 

@@ -11,7 +11,9 @@ __all__ = ["Scratch", "byte_view", "can_read_into"]
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous CPU tensor's bytes (no copy)."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    # as_strided: torch calls a tensor with size-1 dims contiguous whatever their strides
+    flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def can_read_into(t: torch.Tensor) -> bool:

@@ -69,7 +69,7 @@ def merge_rank_objects(per_rank: list[tuple[dict[str, Any], dict[str, str]]]) ->
     merged: tuple[dict[str, Any], dict[str, str]] = ({}, {})
     first_rank: dict[str, int] = {}
     for rank, parts in enumerate(per_rank):
-        for kind, (values, into) in enumerate(zip(parts, merged)):
+        for values, into in zip(parts, merged):
             for key, v in values.items():
                 if key in first_rank and (key not in into or into[key] != v):
                     raise CheckpointError(

@@ -97,8 +97,8 @@ def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTen
         for item in plan.items:
             lt = local[item.key]
             view = lt.views[item.piece_index]
-            piece_off = lt.pieces[item.piece_index][0]
-            if item.flat is None and item.offsets != piece_off:  # a part of a split replica
+            piece_off, piece_lens, _ = lt.pieces[item.piece_index]
+            if item.flat is None and (item.offsets, item.lengths) != (piece_off, piece_lens):  # part of a split replica
                 start = item.offsets[0] - piece_off[0]
                 view = view[start : start + item.lengths[0]]
             data = view.detach()

@@ -1,0 +1,28 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Each creates .venv itself and
+# installs through constraints.txt, which pins torch to the local CPU build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench-plan clean
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/reshard_demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+bench-plan: $(STAMP)
+	$(PY) benchmarks/bench_planner.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

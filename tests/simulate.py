@@ -1,0 +1,28 @@
+"""Play every rank of a save in one process: the same describe/plan/write/commit functions the
+engine runs, minus the collectives. Planning is pure, so resharding can be tested by the
+hundred here; real process groups are covered by the multi-process tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardsafe.adapters import describe_state
+from shardsafe.engine.writer import _build_metadata, _write_file
+from shardsafe.format.metadata import METADATA_FILENAME, StorageMetadata
+from shardsafe.knobs import KNOBS
+from shardsafe.planning.save_plan import TensorDesc, plan_save
+from shardsafe.storage import open_storage
+
+
+def simulate_save(location: str, per_rank: list[dict[str, Any]], *, split_bytes: int | None = None) -> StorageMetadata:
+    storage = open_storage(location)
+    locals_, descs = [], []
+    for sd in per_rank:
+        tensors, _ = describe_state(sd)
+        locals_.append({t.key: t for t in tensors})
+        descs.append([TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors])
+    plan = plan_save(descs, save_id="5eed", split_bytes=KNOBS.replica_split_bytes if split_bytes is None else split_bytes)
+    crcs = [_write_file(storage, plan.ranks[r], locals_[r], KNOBS) for r in range(len(per_rank))]
+    meta = _build_metadata(plan, crcs, ({}, {}))
+    storage.put_atomic(METADATA_FILENAME, meta.to_json(), overwrite=True)
+    return meta
