@@ -9,6 +9,7 @@ are read as one span when the gaps are small (``coalesce_gap_bytes``), else run 
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from math import prod
 
@@ -37,7 +38,8 @@ class Reader:
         self.gap = knobs.coalesce_gap_bytes
         self.scratch = Scratch()
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        self.bytes_read = 0
+        self.bytes_read = 0  # bytes fetched from storage, over-reads of coalesced gaps included
+        self._count_lock = threading.Lock()
 
     def __enter__(self) -> Reader:
         return self
@@ -68,6 +70,10 @@ class Reader:
         else:
             for f in [self.pool.submit(self._run, job, itemsize, target) for job in jobs]:
                 f.result()
+
+    def _count(self, n: int) -> None:
+        with self._count_lock:
+            self.bytes_read += n
 
     def _split(self, item: ReadItem, itemsize: int, target: LocalTensor) -> list[ReadItem]:
         """Cut an item along dim 0 so no job needs more scratch than the budget."""
@@ -106,7 +112,7 @@ class Reader:
                 self.storage.read_into(item.file, offset, [buf])
                 with torch.no_grad():
                     dst.copy_(raw.view(target.dtype).view(item.lengths))
-            self.bytes_read += nbytes
+            self._count(nbytes)
             if item.crc32c is not None and crc32c(buf) != item.crc32c:
                 raise CorruptCheckpointError(
                     f"key {target.key!r}: checksum mismatch in chunk {item.chunk} (bytes [{offset}, {offset + nbytes})): "
@@ -122,7 +128,7 @@ class Reader:
             raw = self.scratch.get(span)
             self.storage.read_into(item.file, item.src_start + first * itemsize, [byte_view(raw)])
             src = raw.view(target.dtype).as_strided(item.lengths, strides)
-            self.bytes_read += span
+            self._count(span)
         else:
             raw = self.scratch.get(needed)
             run_bytes = run_elems * itemsize
@@ -132,7 +138,7 @@ class Reader:
                 pos = first + sum(j * s for j, s in zip(idx, strides))
                 self.storage.read_into(item.file, item.src_start + pos * itemsize, [mv[i * run_bytes : (i + 1) * run_bytes]])
             src = raw.view(target.dtype).view(item.lengths)
-            self.bytes_read += needed
+            self._count(needed)
         with torch.no_grad():
             dst.copy_(src)
 

@@ -125,7 +125,7 @@ def check_tiling(key: str, shape: Shape, pieces: list[Piece]) -> None:
                 raise ShardingError(f"key {key!r}: flattened ranges {list(a)} and {list(b)} of box at {list(off)} overlap")
     clash = _find_overlap(list(by_box), 0, ndim)
     if clash is not None:
-        (ao, al), (bo, bl) = clash
+        (ao, al), (bo, bl) = sorted(clash)
         raise ShardingError(
             f"key {key!r}: pieces at {list(ao)} shape {list(al)} and at {list(bo)} shape {list(bl)} overlap"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ class LocalStorage:
         self.root = os.path.abspath(root)
         self.url = self.root
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()  # reader threads share the fd cache
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, check_name(name))
@@ -87,17 +89,18 @@ class LocalStorage:
             raise StorageError(f"{path}: cannot write: {e.strerror}") from e
 
     def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)
-        if fd is None:
-            path = self._path(name)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{path}: data file named in the metadata is missing") from None
-            except OSError as e:
-                raise StorageError(f"{path}: cannot open: {e.strerror}") from e
-            fd = self._fds.setdefault(name, fd)
-        return fd
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                path = self._path(name)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(f"{path}: data file named in the metadata is missing") from None
+                except OSError as e:
+                    raise StorageError(f"{path}: cannot open: {e.strerror}") from e
+                self._fds[name] = fd
+            return fd
 
     def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
         fd = self._fd(name)
@@ -143,7 +146,8 @@ class LocalStorage:
         _unlink_quietly(self._path(name))
 
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
+        with self._lock:
+            fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
 
