@@ -15,6 +15,8 @@ from .storage import open_storage
 
 __all__ = ["VerifyReport", "verify"]
 
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
 
 @dataclass
 class VerifyReport:
@@ -61,6 +63,8 @@ def verify(dir: str | os.PathLike[str], *, collect_all: bool = False) -> VerifyR
                 head = bytearray(8)
                 storage.read_into(file, 0, [memoryview(head)])
                 n = int.from_bytes(head, "little")
+                if n > _MAX_HEADER:
+                    raise ValueError(f"header length {n} exceeds the {_MAX_HEADER}-byte limit safetensors allows")
                 prefix = bytearray(8 + n)
                 storage.read_into(file, 0, [memoryview(prefix)])
                 data_start, header = parse_header(bytes(prefix))

@@ -61,22 +61,29 @@ class Reader:
                     f"{list(off)} shape {list(lens)}; its chunks do not tile the tensor"
                 )
         itemsize = target.dtype.itemsize
-        jobs = []
-        for item in items:
-            jobs.extend(self._split(item, itemsize, target))
-        if self.pool is None or len(jobs) < 2:
-            for job in jobs:
-                self._run(job, itemsize, target)
-        else:
-            for f in [self.pool.submit(self._run, job, itemsize, target) for job in jobs]:
-                f.result()
+        jobs = [self._split(item, itemsize, target) for item in items]
+        try:
+            if self.pool is None or len(jobs) < 2:
+                for job in jobs:
+                    self._run_job(job, itemsize, target)
+            else:
+                for f in [self.pool.submit(self._run_job, job, itemsize, target) for job in jobs]:
+                    f.result()
+        except CorruptCheckpointError as e:
+            if f"key {target.key!r}" in str(e):
+                raise
+            raise CorruptCheckpointError(f"key {target.key!r}: {e}") from None
 
     def _count(self, n: int) -> None:
         with self._count_lock:
             self.bytes_read += n
 
     def _split(self, item: ReadItem, itemsize: int, target: LocalTensor) -> list[ReadItem]:
-        """Cut an item along dim 0 so no job needs more scratch than the budget."""
+        """Cut an item along dim 0 so no part needs more scratch than the budget.
+
+        The parts of one item form one job and run in order; when the item reads a whole chunk,
+        their bytes are consecutive in the file and the chunk's checksum is chained over them.
+        """
         nbytes = prod(item.lengths) * itemsize
         if nbytes <= self.budget or not item.lengths or item.lengths[0] < 2:
             return [item]
@@ -92,12 +99,26 @@ class Reader:
                 ReadItem(
                     item.file, item.src_start, item.src_shape, (item.src_rel[0] + r, *item.src_rel[1:]), item.dst_piece,
                     item.dst_flat, item.dst_shape, (item.dst_rel[0] + r, *item.dst_rel[1:]), (n, *item.lengths[1:]),
-                    None, item.chunk,
+                    item.crc32c, item.chunk,
                 )
             )
         return out
 
-    def _run(self, item: ReadItem, itemsize: int, target: LocalTensor) -> None:
+    def _run_job(self, parts: list[ReadItem], itemsize: int, target: LocalTensor) -> None:
+        expected = parts[0].crc32c
+        crc = 0
+        for part in parts:
+            crc = self._run(part, itemsize, target, crc)
+        if expected is not None and crc != expected:
+            first = parts[0]
+            raise CorruptCheckpointError(
+                f"key {target.key!r}: checksum mismatch in chunk {first.chunk}: stored crc32c {expected:#010x}, "
+                f"read {crc:#010x}; the file is damaged"
+            )
+
+    def _run(self, item: ReadItem, itemsize: int, target: LocalTensor, crc: int) -> int:
+        """Copy one item into its target; returns ``crc`` extended over the bytes read when the
+        item belongs to a whole-chunk read (``item.crc32c`` set), else ``crc`` unchanged."""
         dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
         n_runs, run_elems, first, kp = _src_runs(item)
         if n_runs == 1:
@@ -113,12 +134,7 @@ class Reader:
                 with torch.no_grad():
                     dst.copy_(raw.view(target.dtype).view(item.lengths))
             self._count(nbytes)
-            if item.crc32c is not None and crc32c(buf) != item.crc32c:
-                raise CorruptCheckpointError(
-                    f"key {target.key!r}: checksum mismatch in chunk {item.chunk} (bytes [{offset}, {offset + nbytes})): "
-                    f"stored crc32c {item.crc32c:#010x}, read {crc32c(buf):#010x}; the file is damaged"
-                )
-            return
+            return crc32c(buf, crc) if item.crc32c is not None else crc
         strides = row_major_strides(item.src_shape)
         last = sum((o + n - 1) * s for o, n, s in zip(item.src_rel, item.lengths, strides)) + 1
         span = (last - first) * itemsize
@@ -141,6 +157,7 @@ class Reader:
             self._count(needed)
         with torch.no_grad():
             dst.copy_(src)
+        return crc
 
 
 def _contiguous_tail(item: ReadItem) -> int:

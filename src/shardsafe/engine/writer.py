@@ -10,13 +10,14 @@ Call order (every rank calls :func:`save_state` together):
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from typing import Any
 
 from ..adapters import LocalTensor, describe_state
 from ..dist import Comm, raise_failures
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError, StorageError
 from ..format.checksum import crc32c
 from ..format.metadata import METADATA_FILENAME, StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from ..knobs import Knobs
@@ -27,6 +28,7 @@ from .objects import encode_objects, merge_rank_objects
 
 __all__ = ["save_state"]
 
+log = logging.getLogger(__name__)
 _OUR_FILES = re.compile(r"^shard-r\d+-[0-9a-f]+\.safetensors$")
 
 
@@ -52,6 +54,7 @@ def save_state(
             )
         save_id = uuid.uuid4().hex[:12]
         state["objects"] = merge_rank_objects([g[1] for g in gathered])  # type: ignore[index]
+        _check_tensor_or_value(gathered)  # type: ignore[arg-type]
         state["plan"] = plan_save([g[0] for g in gathered], save_id=save_id, split_bytes=knobs.replica_split_bytes)  # type: ignore[index]
         state["save_id"] = save_id
         return [(r, save_id) for r in state["plan"].ranks]
@@ -75,9 +78,12 @@ def save_state(
                 storage.delete(data_file_name(r, save_id))
             raise
         keep = meta.data_files()
-        for name in storage.list():  # files of earlier saves at this location, now unreferenced
-            if _OUR_FILES.match(name) and name not in keep:
-                storage.delete(name)
+        try:  # files of earlier saves at this location, now unreferenced; the save is already committed
+            for name in storage.list():
+                if _OUR_FILES.match(name) and name not in keep:
+                    storage.delete(name)
+        except StorageError as e:
+            log.warning("%s: checkpoint committed, but removing the previous save's files failed: %s", storage.url, e)
         state["meta"] = meta
         return raw
 
@@ -85,6 +91,21 @@ def save_state(
     meta = state.get("meta") or StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}")
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
     return meta, files
+
+
+def _check_tensor_or_value(gathered: list) -> None:
+    """A key is a tensor on every rank that has it, or a value on every rank: never both."""
+    tensor_rank: dict[str, int] = {}
+    value_rank: dict[str, int] = {}
+    for rank, (descs, (as_json, pickled)) in enumerate(gathered):
+        for d in descs:
+            tensor_rank.setdefault(d.key, rank)
+        for key in [*as_json, *pickled]:
+            value_rank.setdefault(key, rank)
+    for key in sorted(tensor_rank.keys() & value_rank.keys()):
+        raise CheckpointError(
+            f"key {key!r} is a tensor on rank {tensor_rank[key]} and a non-tensor value on rank {value_rank[key]}"
+        )
 
 
 def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTensor], knobs: Knobs) -> list[int]:

@@ -8,6 +8,7 @@ in the file, the absolute byte range and a CRC32C of the chunk's bytes.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from math import prod
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, DtypeMismatchError
 from .dtypes import torch_dtype
 
 __all__ = [
@@ -131,7 +132,10 @@ class TensorStorageMetadata(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        torch_dtype(v)
+        try:
+            torch_dtype(v)
+        except DtypeMismatchError as e:  # a ValueError, so pydantic reports it as invalid metadata
+            raise ValueError(str(e)) from None
         return v
 
     @property
@@ -173,14 +177,20 @@ class StorageMetadata(BaseModel):
     def from_json(cls, raw: bytes, *, where: str) -> StorageMetadata:
         """Parse and validate ``metadata.json``; ``where`` names it in errors."""
         try:
-            meta = cls.model_validate_json(raw)
+            doc = json.loads(raw)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: not valid JSON: {e}") from None
+        version = doc.get("format_version") if isinstance(doc, dict) else None
+        if type(version) is not int or version < 1:
+            raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: format_version must be a positive integer, found {version!r}")
+        if version > FORMAT_VERSION:  # before the schema: a newer format may have new fields
+            raise CorruptCheckpointError(
+                f"{where}: format_version {version} is newer than this shardsafe reads ({FORMAT_VERSION}); upgrade shardsafe"
+            )
+        try:
+            meta = cls.model_validate(doc)
         except ValidationError as e:
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
-        if meta.format_version > FORMAT_VERSION:
-            raise CorruptCheckpointError(
-                f"{where}: format_version {meta.format_version} is newer than this shardsafe "
-                f"reads ({FORMAT_VERSION}); upgrade shardsafe"
-            )
         meta._check(where)
         return meta
 
@@ -190,6 +200,11 @@ class StorageMetadata(BaseModel):
     def _check(self, where: str) -> None:
         from ..planning.geometry import check_tiling
 
+        both = sorted((set(self.objects) | set(self.pickled_objects)) & set(self.tensors))
+        both += sorted(set(self.objects) & set(self.pickled_objects))
+        if both:
+            raise CorruptCheckpointError(f"{where}: keys {both} are stored twice (as a tensor and as a value)")
+
         for key, t in self.tensors.items():
             for file, spec in t.chunks():
                 if not is_data_file_name(file):
@@ -198,7 +213,7 @@ class StorageMetadata(BaseModel):
                         "file name inside the checkpoint directory; refusing to read it"
                     )
                 nbytes = spec.local_numel * t.torch_dtype.itemsize
-                if spec.byte_range[1] - spec.byte_range[0] != nbytes or spec.byte_range[0] < 0:
+                if spec.byte_range[1] - spec.byte_range[0] != nbytes or spec.byte_range[0] < 8:  # 8: header length
                     raise CorruptCheckpointError(
                         f"{where}: tensor {key!r}, chunk {spec.name!r} in {file!r}: byte range "
                         f"{list(spec.byte_range)} does not hold {nbytes} bytes"

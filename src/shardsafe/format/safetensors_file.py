@@ -42,6 +42,8 @@ def layout_file(entries: list[FileEntry], file_metadata: dict[str, str]) -> File
     header: dict[str, object] = {"__metadata__": file_metadata}
     offset = 0
     for e in entries:
+        if e.name in header:
+            raise ValueError(f"duplicate or reserved entry name {e.name!r} in one safetensors file")
         header[e.name] = {"dtype": e.dtype_code, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()

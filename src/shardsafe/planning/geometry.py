@@ -123,7 +123,16 @@ def check_tiling(key: str, shape: Shape, pieces: list[Piece]) -> None:
         for a, b in zip(ordered, ordered[1:]):
             if b[0] < a[1]:  # type: ignore[index]
                 raise ShardingError(f"key {key!r}: flattened ranges {list(a)} and {list(b)} of box at {list(off)} overlap")
-    clash = _find_overlap(list(by_box), 0, ndim)
+    # flat pieces take part as their segments: the exact boxes of elements they hold
+    boxes: list[tuple[Shape, Shape]] = []
+    for (off, lens), flats in by_box.items():
+        if flats == [None]:
+            boxes.append((off, lens))
+            continue
+        for f in flats:
+            for rel, seg, _ in flat_segments(lens, f[0], f[1]):  # type: ignore[index]
+                boxes.append((tuple(o + r for o, r in zip(off, rel)), seg))
+    clash = _find_overlap(boxes, 0, ndim)
     if clash is not None:
         (ao, al), (bo, bl) = sorted(clash)
         raise ShardingError(

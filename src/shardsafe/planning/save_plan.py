@@ -72,11 +72,22 @@ def data_file_name(rank: int, save_id: str) -> str:
     return f"shard-r{rank:05d}-{save_id}.safetensors"
 
 
-def _entry_name(key: str, shape: Shape, offsets: Shape, lengths: Shape, flat: tuple[int, int] | None) -> str:
-    if flat is None and lengths == shape and not any(offsets):
-        return key
-    name = f"{key}@{','.join(map(str, offsets))}"
-    return name if flat is None else f"{name}+{flat[0]}"
+def _entry_name(key: str, shape: Shape, offsets: Shape, lengths: Shape, flat: tuple[int, int] | None, used: set[str]) -> str:
+    """The chunk's entry name in its file: the key itself for a whole tensor (so the file reads
+    like any safetensors file), else key@offsets[+flat start]; made unique within the file, and
+    never the safetensors header's reserved ``__metadata__``."""
+    if flat is None and lengths == shape and not any(offsets) and key != "__metadata__":
+        name = key
+    else:
+        name = f"{key}@{','.join(map(str, offsets))}"
+        if flat is not None:
+            name = f"{name}+{flat[0]}"
+    base, n = name, 1
+    while name in used:  # another key's chunk name, e.g. key "a@0" beside chunk "a" at offset 0
+        name = f"{base}#{n}"
+        n += 1
+    used.add(name)
+    return name
 
 
 def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int) -> SavePlan:
@@ -143,11 +154,12 @@ def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int) 
             ranks.append(RankWritePlan(None, b"", ()))
             continue
         entries = []
+        used: set[str] = set()
         for key, _idx, off, lens, flat in items:
             dtype, shape, _ = facts[key]
             td = torch_dtype(dtype)
             shape_in_file = lens if flat is None else (flat[1] - flat[0],)
-            name = _entry_name(key, shape, off, lens, flat)
+            name = _entry_name(key, shape, off, lens, flat, used)
             entries.append(FileEntry(name, SAFETENSORS_CODE[td], shape_in_file, prod(shape_in_file) * td.itemsize))
         layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "1"})
         plan_items = []

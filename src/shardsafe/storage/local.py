@@ -106,6 +106,8 @@ class LocalStorage:
         fd = self._fd(name)
         views = [memoryview(b).cast("B") for b in buffers]
         want = sum(v.nbytes for v in views)
+        if want == 0:
+            return
         pos = offset
         while views:
             try:

@@ -1,0 +1,456 @@
+"""Damaged checkpoints: every kind of damage is refused with an error that names what is wrong.
+
+Damage is done through the storage interface (``read`` / ``put_atomic`` / ``delete``), so the
+same tests run on a local directory and on a ``memory://`` store.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe import Checkpointer, CorruptCheckpointError, IncompleteCheckpointError
+from shardsafe.knobs import Knobs
+from shardsafe.storage import open_storage
+from shardsafe.storage.local import LocalStorage
+
+META = "metadata.json"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitexact(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert torch.equal(_bytes(got), _bytes(want))
+
+
+def _source() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(8, 5, generator=g), "b": torch.arange(7, dtype=torch.int64) * 3 - 5}
+
+
+def _targets() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(8, 5), "b": torch.zeros(7, dtype=torch.int64)}
+
+
+@pytest.fixture(params=["local", "memory"])
+def location(request, tmp_path: Path):
+    if request.param == "local":
+        yield str(tmp_path / "ckpt")
+        return
+    url = f"memory://corruption-{uuid.uuid4().hex}"
+    yield url
+    store = open_storage(url)
+    for name in store.list():
+        store.delete(name)
+
+
+@pytest.fixture
+def saved(location: str) -> str:
+    """A committed checkpoint of :func:`_source` (one data file, chunks ``w`` then ``b``)."""
+    Checkpointer().save(location, _source())
+    return location
+
+
+def _chunk(location: str, key: str) -> tuple[str, Any]:
+    meta = Checkpointer().get_metadata(location, no_dist=True)
+    ((file, spec),) = list(meta.tensors[key].chunks())
+    return file, spec
+
+
+def _rewrite(location: str, name: str, data: bytes) -> None:
+    open_storage(location).put_atomic(name, data, overwrite=True)
+
+
+def _flip_byte(location: str, name: str, pos: int) -> None:
+    raw = bytearray(open_storage(location).read(name))
+    raw[pos] ^= 0x5A
+    _rewrite(location, name, bytes(raw))
+
+
+def _meta(location: str) -> dict[str, Any]:
+    return json.loads(open_storage(location).read(META))
+
+
+def _put_meta(location: str, meta: dict[str, Any] | bytes) -> None:
+    raw = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
+    _rewrite(location, META, raw)
+
+
+# --- damaged data files ----------------------------------------------------------------------
+
+
+def test_clean_checkpoint_verifies_and_loads(saved: str) -> None:
+    report = shardsafe.verify(saved)
+    assert report.ok
+    assert report.errors == []
+    assert (report.files, report.chunks, report.bytes) == (1, 2, 8 * 5 * 4 + 7 * 8)
+    targets = _targets()
+    Checkpointer().load(saved, targets)
+    for key, want in _source().items():
+        assert_bitexact(targets[key], want)
+
+
+@pytest.mark.parametrize("where", [0, 3, 8 * 5 * 4 - 1])
+def test_flipped_byte_in_chunk_fails_load_naming_file_and_key(saved: str, where: int) -> None:
+    file, spec = _chunk(saved, "w")
+    _flip_byte(saved, file, spec.byte_range[0] + where)
+
+    pattern = rf"(?s)(?=.*'w')(?=.*{re.escape(file)}).*checksum"
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().load(saved, _targets())
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().unshard(saved, no_dist=True)
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        shardsafe.verify(saved)
+
+    report = shardsafe.verify(saved, collect_all=True)
+    assert not report.ok
+    assert report.chunks == 2
+    assert len(report.errors) == 1
+    assert "'w'" in report.errors[0] and file in report.errors[0] and "checksum" in report.errors[0]
+
+    # the undamaged key still loads, bit-exact
+    b = torch.zeros(7, dtype=torch.int64)
+    Checkpointer().load(saved, {"b": b})
+    assert_bitexact(b, _source()["b"])
+
+
+_SMALL_BUFFERS = Knobs(
+    io_threads=1, read_buffer_bytes=1 << 20, coalesce_gap_bytes=4096, write_block_bytes=1 << 20, replica_split_bytes=1 << 24
+)
+
+
+@pytest.mark.parametrize("knobs", [None, _SMALL_BUFFERS], ids=["default-knobs", "small-read-buffer"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_flipped_byte_in_large_chunk_is_detected_for_any_target_layout(tmp_path: Path, knobs, layout: str) -> None:
+    """A chunk larger than the read buffer, loaded into a target that cannot be read into in
+    place, is still checked against its checksum."""
+    d = str(tmp_path / "ckpt")
+    src = torch.randn(1024, 1024)  # 4 MiB: four times the small read buffer
+    Checkpointer().save(d, {"w": src})
+    file, spec = _chunk(d, "w")
+    _flip_byte(d, file, spec.byte_range[0] + 3 * (1 << 20) + 17)
+
+    target = torch.zeros(1024, 1024) if layout == "contiguous" else torch.zeros(1024, 1024).t()
+    with pytest.raises(CorruptCheckpointError, match=rf"(?s)(?=.*'w').*{re.escape(file)}"):
+        Checkpointer(knobs=knobs).load(d, {"w": target})
+
+
+_CUTS = {"last-10-bytes": lambda n: n - 10, "inside-length-field": lambda n: 4, "empty": lambda n: 0}
+
+
+@pytest.mark.parametrize("cut", list(_CUTS))
+def test_truncated_data_file_is_reported_as_truncated(saved: str, cut: str) -> None:
+    file, _ = _chunk(saved, "w")
+    raw = open_storage(saved).read(file)
+    _rewrite(saved, file, raw[: _CUTS[cut](len(raw))])
+
+    pattern = rf"(?s)(?=.*{re.escape(file)}).*truncated"
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().load(saved, _targets())
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().unshard(saved, no_dist=True)
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        shardsafe.verify(saved)
+    report = shardsafe.verify(saved, collect_all=True)
+    assert not report.ok
+    assert any("truncated" in e and file in e for e in report.errors)
+
+
+def test_deleted_data_file_is_named(saved: str) -> None:
+    file, _ = _chunk(saved, "w")
+    open_storage(saved).delete(file)
+
+    pattern = rf"(?s)(?=.*{re.escape(file)}).*missing"
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().load(saved, _targets())
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().unshard(saved, no_dist=True)
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        shardsafe.verify(saved)
+    report = shardsafe.verify(saved, collect_all=True)
+    assert not report.ok
+    assert len(report.errors) == 1 and file in report.errors[0]
+
+
+# --- missing metadata: not a checkpoint ------------------------------------------------------
+
+_OPERATIONS = {
+    "load": lambda loc: Checkpointer().load(loc, _targets(), no_dist=True),
+    "unshard": lambda loc: Checkpointer().unshard(loc, no_dist=True),
+    "get_metadata": lambda loc: Checkpointer().get_metadata(loc, no_dist=True),
+    "verify": lambda loc: shardsafe.verify(loc),
+    "verify-collect-all": lambda loc: shardsafe.verify(loc, collect_all=True),
+}
+
+
+@pytest.mark.parametrize("op", list(_OPERATIONS))
+def test_missing_metadata_is_incomplete(saved: str, op: str) -> None:
+    open_storage(saved).delete(META)
+    with pytest.raises(IncompleteCheckpointError, match=r"(?s)not a committed checkpoint.*1 file\(s\).*metadata\.json") as info:
+        _OPERATIONS[op](saved)
+    assert isinstance(info.value, FileNotFoundError)
+
+
+@pytest.mark.parametrize("op", list(_OPERATIONS))
+def test_nonexistent_location_is_incomplete(tmp_path: Path, op: str) -> None:
+    for loc in (str(tmp_path / "does" / "not" / "exist"), f"memory://nothing-{uuid.uuid4().hex}"):
+        with pytest.raises(IncompleteCheckpointError, match=r"(?s)empty or missing.*metadata\.json"):
+            _OPERATIONS[op](loc)
+
+
+# --- metadata that points outside the checkpoint ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad_name",
+    [
+        "../evil.safetensors",
+        "/etc/passwd",
+        "sub/x.safetensors",
+        "sub/../shard.safetensors",
+        "ABSOLUTE",  # replaced by the absolute path of a valid copy of the data file
+        ".hidden.safetensors",
+        "..",
+    ],
+)
+@pytest.mark.parametrize("op", ["load", "unshard", "get_metadata", "verify", "verify-collect-all"])
+def test_data_file_outside_checkpoint_is_refused_and_nothing_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad_name: str, op: str
+) -> None:
+    d = tmp_path / "ckpt"
+    Checkpointer().save(str(d), _source())
+    meta = _meta(str(d))
+    (good,) = meta["tensors"]["w"]["shard_spec_per_file"]
+    raw = (d / good).read_bytes()
+    # valid copies wherever a bad name could lead, so that reading one would succeed
+    (tmp_path / "evil.safetensors").write_bytes(raw)
+    (d / "sub").mkdir()
+    (d / "sub" / "x.safetensors").write_bytes(raw)
+    (d / ".hidden.safetensors").write_bytes(raw)
+    if bad_name == "ABSOLUTE":
+        bad_name = str(tmp_path / "evil.safetensors")
+    for t in meta["tensors"].values():
+        t["shard_spec_per_file"] = {bad_name: t["shard_spec_per_file"][good]}
+    _put_meta(str(d), meta)
+
+    reads: list[tuple[str, int]] = []
+    real_read_into = LocalStorage.read_into
+
+    def spy(self, name, offset, buffers):
+        reads.append((name, offset))
+        return real_read_into(self, name, offset, buffers)
+
+    monkeypatch.setattr(LocalStorage, "read_into", spy)
+    with pytest.raises(CorruptCheckpointError, match=r"(?s)metadata\.json.*refusing") as info:
+        _OPERATIONS[op](str(d))
+    assert bad_name in str(info.value)
+    assert reads == []
+
+
+# --- invalid metadata ------------------------------------------------------------------------
+
+
+SPEC = object()  # a path step: the single chunk spec of tensor "w"
+
+
+def _spec_of(m: dict[str, Any], key: str = "w") -> dict[str, Any]:
+    (specs,) = m["tensors"][key]["shard_spec_per_file"].values()
+    return specs[0]
+
+
+def _split_rows(m: dict[str, Any], first: tuple[int, int], second: tuple[int, int]) -> None:
+    """Store ``w`` (8 x 5 float32) as two row blocks, with byte ranges of the right sizes."""
+    (file,) = m["tensors"]["w"]["shard_spec_per_file"]
+    spec = _spec_of(m)
+    start = spec["byte_range"][0]
+    specs = []
+    for i, (lo, hi) in enumerate((first, second)):
+        n = (hi - lo) * 5 * 4
+        specs.append({**spec, "name": f"w@{lo},0", "global_offset": [lo, 0], "local_shape": [hi - lo, 5], "byte_range": [start, start + n], "crc32c": i})
+        start += n
+    m["tensors"]["w"]["shard_spec_per_file"][file] = specs
+
+
+def _split_flat(m: dict[str, Any], first: tuple[int, int], second: tuple[int, int]) -> None:
+    """Store ``w`` as two flat ranges of its whole box."""
+    (file,) = m["tensors"]["w"]["shard_spec_per_file"]
+    spec = _spec_of(m)
+    start = spec["byte_range"][0]
+    specs = []
+    for lo, hi in (first, second):
+        n = (hi - lo) * 4
+        specs.append({**spec, "name": f"w@0,0+{lo}", "flattened_range": [lo, hi], "byte_range": [start, start + n]})
+        start += n
+    m["tensors"]["w"]["shard_spec_per_file"][file] = specs
+
+
+def _node(m: dict[str, Any], path: tuple) -> dict[str, Any]:
+    node = m
+    for step in path:
+        node = _spec_of(m) if step is SPEC else node[step]
+    return node
+
+
+def _set(path: tuple, value: Any):
+    def mutate(m: dict[str, Any]) -> None:
+        _node(m, path[:-1])[path[-1]] = value
+
+    return mutate
+
+
+def _drop(path: tuple):
+    def mutate(m: dict[str, Any]) -> None:
+        del _node(m, path[:-1])[path[-1]]
+
+    return mutate
+
+
+def _shift_byte_range(delta_start: int, delta_end: int):
+    def mutate(m: dict[str, Any]) -> None:
+        spec = _spec_of(m)
+        spec["byte_range"] = [spec["byte_range"][0] + delta_start, spec["byte_range"][1] + delta_end]
+
+    return mutate
+
+
+def _negative_byte_range(m: dict[str, Any]) -> None:
+    _spec_of(m)["byte_range"] = [-160, 0]
+
+
+
+_INVALID: dict[str, tuple[Any, str]] = {
+    # name: (raw bytes, or a mutation of the parsed metadata; pattern the message must match)
+    "empty-file": (b"", "invalid checkpoint metadata"),
+    "not-json": (b"{this is not json", "invalid checkpoint metadata"),
+    "half-written": ("HALF", "invalid checkpoint metadata"),
+    "not-utf8": (b"\xff\xfe\x00garbage", "invalid checkpoint metadata"),
+    "json-list": (b"[1, 2, 3]", "invalid checkpoint metadata"),
+    "no-tensors": (_drop(("tensors",)), "(?s)invalid checkpoint metadata.*tensors"),
+    "no-shape": (_drop(("tensors", "w", "shape")), "(?s)invalid checkpoint metadata.*shape"),
+    "no-dtype": (_drop(("tensors", "w", "dtype")), "(?s)invalid checkpoint metadata.*dtype"),
+    "no-crc": (_drop((SPEC, "crc32c")), "(?s)invalid checkpoint metadata.*crc32c"),
+    "no-byte-range": (_drop((SPEC, "byte_range")), "(?s)invalid checkpoint metadata.*byte_range"),
+    "shape-not-ints": (_set(("tensors", "w", "shape"), ["a", "b"]), "(?s)invalid checkpoint metadata.*shape"),
+    "crc-negative": (_set((SPEC, "crc32c"), -1), "(?s)invalid checkpoint metadata.*crc32c"),
+    "crc-too-big": (_set((SPEC, "crc32c"), 1 << 32), "(?s)invalid checkpoint metadata.*crc32c"),
+    "unknown-field": (_set((SPEC, "surprise"), 1), "(?s)invalid checkpoint metadata.*surprise"),
+    "unknown-dtype": (_set(("tensors", "w", "dtype"), "float128"), "(?s)metadata\\.json.*float128"),
+    "byte-range-short": (_shift_byte_range(0, -4), r"(?s)'w'.*byte range.*does not hold 160 bytes"),
+    "byte-range-long": (_shift_byte_range(0, 4), r"(?s)'w'.*byte range.*does not hold 160 bytes"),
+    "byte-range-reversed": (_shift_byte_range(160, -160), r"(?s)'w'.*byte range.*does not hold 160 bytes"),
+    "byte-range-negative": (_negative_byte_range, r"(?s)'w'.*byte range.*does not hold 160 bytes"),
+    "byte-range-vs-local-shape": (_set((SPEC, "local_shape"), [8, 4]), r"(?s)'w'.*byte range.*does not hold 128 bytes"),
+    "byte-range-vs-dtype": (_set(("tensors", "w", "dtype"), "float64"), r"(?s)'w'.*byte range.*does not hold 320 bytes"),
+    "chunk-outside-tensor": (_set((SPEC, "global_offset"), [1, 0]), r"(?s)'w'.*outside"),
+    "rows-overlap": (lambda m: _split_rows(m, (0, 4), (3, 8)), r"(?s)'w'.*overlap"),
+    "rows-gap": (lambda m: _split_rows(m, (0, 4), (5, 8)), r"(?s)'w'.*gap"),
+    "rows-duplicate": (lambda m: _split_rows(m, (0, 8), (0, 8)), r"(?s)'w'.*overlap"),
+    "flat-overlap": (lambda m: _split_flat(m, (0, 25), (20, 40)), r"(?s)'w'.*overlap"),
+    "flat-gap": (lambda m: _split_flat(m, (0, 20), (25, 40)), r"(?s)'w'.*gap"),
+    "only-part-stored": (lambda m: m["tensors"]["w"].update(shape=[9, 5]), r"(?s)'w'.*gap"),
+}
+
+
+@pytest.mark.parametrize("case", list(_INVALID))
+def test_invalid_metadata_is_corrupt(saved: str, case: str) -> None:
+    damage, pattern = _INVALID[case]
+    if damage == "HALF":
+        raw = open_storage(saved).read(META)
+        _put_meta(saved, raw[: len(raw) // 2])
+    elif isinstance(damage, bytes):
+        _put_meta(saved, damage)
+    else:
+        m = _meta(saved)
+        damage(m)
+        _put_meta(saved, m)
+
+    for op in ("get_metadata", "load", "unshard", "verify"):
+        with pytest.raises(CorruptCheckpointError, match=pattern) as info:
+            _OPERATIONS[op](saved)
+        assert META in str(info.value), op
+
+
+@pytest.mark.parametrize("extra", [{}, {"new_top_level_field": {"x": 1}}], ids=["same-fields", "with-new-fields"])
+def test_newer_format_version_asks_for_upgrade(saved: str, extra: dict[str, Any]) -> None:
+    """A checkpoint from a newer shardsafe is refused with 'upgrade', even when the newer
+    format added fields that this version does not know."""
+    m = _meta(saved)
+    m["format_version"] = 2
+    m.update(extra)
+    _put_meta(saved, m)
+    for op in ("get_metadata", "load", "unshard", "verify"):
+        with pytest.raises(CorruptCheckpointError, match=r"(?s)metadata\.json.*format_version 2.*upgrade"):
+            _OPERATIONS[op](saved)
+
+
+# --- damaged safetensors header --------------------------------------------------------------
+
+
+def _replace_in_header(old: bytes, new: bytes):
+    assert len(old) == len(new)
+
+    def damage(raw: bytes) -> bytes:
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = raw[8 : 8 + n]
+        assert header.count(old) == 1, header
+        return raw[:8] + header.replace(old, new) + raw[8 + n :]
+
+    return damage
+
+
+def _set_header_length(n: int | str):
+    def damage(raw: bytes) -> bytes:
+        value = len(raw) * 2 if n == "past-end" else n
+        return struct.pack("<Q", value) + raw[8:]
+
+    return damage
+
+
+def _header_as_list(raw: bytes) -> bytes:
+    """The same header length, holding a valid JSON list instead of an object."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    return raw[:8] + b"[" + b" " * (n - 2) + b"]" + raw[8 + n :]
+
+
+_HEADER_DAMAGE = {
+    "json-garbled": (lambda raw: raw[:8] + b"X" + raw[9:], "not a valid safetensors file"),
+    "not-an-object": (_header_as_list, "not a valid safetensors file.*not a JSON object"),
+    "dtype-code-changed": (_replace_in_header(b'"F32"', b'"I32"'), r"(?s)'w'.*header has"),
+    "entry-renamed": (_replace_in_header(b'"w":', b'"v":'), r"(?s)'w'.*header has None"),
+    "shape-changed": (_replace_in_header(b"[8,5]", b"[5,8]"), r"(?s)'w'.*header has"),
+    "length-zero": (_set_header_length(0), "not a valid safetensors file"),
+    "length-past-end": (_set_header_length("past-end"), "not a valid safetensors file"),
+    "length-huge": (_set_header_length(1 << 62), "not a valid safetensors file"),
+}
+
+
+@pytest.mark.parametrize("case", list(_HEADER_DAMAGE))
+def test_corrupt_safetensors_header_is_reported_by_verify(saved: str, case: str) -> None:
+    damage, pattern = _HEADER_DAMAGE[case]
+    file, _ = _chunk(saved, "w")
+    store = open_storage(saved)
+    raw = store.read(file)
+    damaged = damage(raw)
+    assert len(damaged) == len(raw)
+    _rewrite(saved, file, damaged)
+
+    with pytest.raises(CorruptCheckpointError, match=pattern) as info:
+        shardsafe.verify(saved)
+    assert file in str(info.value)
+    report = shardsafe.verify(saved, collect_all=True)
+    assert not report.ok
+    assert report.errors and all(file in e for e in report.errors)
+    assert any(re.search(pattern, e) for e in report.errors)
