@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ._gc import paused_gc
 from .adapters import LocalTensor, describe_state
 from .dist import Comm, get_comm
 from .engine.objects import decode_objects
@@ -125,7 +126,9 @@ def _read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
                 "(was the save interrupted before it committed?)"
             ) from None
 
-    return StorageMetadata.from_json(comm.broadcast(read), where=where)
+    raw = comm.broadcast(read)
+    with paused_gc():
+        return StorageMetadata.from_json(raw, where=where)
 
 
 def _check_targets(meta: StorageMetadata, tensors: list[LocalTensor], objects: list[str], where: str) -> None:

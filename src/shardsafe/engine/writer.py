@@ -15,6 +15,7 @@ import re
 import uuid
 from typing import Any
 
+from .._gc import paused_gc
 from ..adapters import LocalTensor, describe_state
 from ..dist import Comm, raise_failures
 from ..errors import CheckpointError, CheckpointExistsError, StorageError
@@ -55,7 +56,8 @@ def save_state(
         save_id = uuid.uuid4().hex[:12]
         state["objects"] = merge_rank_objects([g[1] for g in gathered])  # type: ignore[index]
         _check_tensor_or_value(gathered)  # type: ignore[arg-type]
-        state["plan"] = plan_save([g[0] for g in gathered], save_id=save_id, split_bytes=knobs.replica_split_bytes)  # type: ignore[index]
+        with paused_gc():
+            state["plan"] = plan_save([g[0] for g in gathered], save_id=save_id, split_bytes=knobs.replica_split_bytes)  # type: ignore[index]
         state["save_id"] = save_id
         return [(r, save_id) for r in state["plan"].ranks]
 
@@ -65,7 +67,8 @@ def save_state(
     def commit() -> bytes:
         try:
             raise_failures(written, rank=comm.rank)  # type: ignore[arg-type]
-            meta = _build_metadata(state["plan"], written, state["objects"])  # type: ignore[union-attr]
+            with paused_gc():
+                meta = _build_metadata(state["plan"], written, state["objects"])  # type: ignore[union-attr]
             raw = meta.to_json()
             try:
                 storage.put_atomic(METADATA_FILENAME, raw, overwrite=save_overwrite)

@@ -205,14 +205,18 @@ class StorageMetadata(BaseModel):
         if both:
             raise CorruptCheckpointError(f"{where}: keys {both} are stored twice (as a tensor and as a value)")
 
+        checked_files: set[str] = set()
         for key, t in self.tensors.items():
-            for file, spec in t.chunks():
-                if not is_data_file_name(file):
+            itemsize = t.torch_dtype.itemsize
+            for file in t.shard_spec_per_file:
+                if file not in checked_files and not is_data_file_name(file):
                     raise CorruptCheckpointError(
                         f"{where}: tensor {key!r} names data file {file!r}, which is not a plain "
                         "file name inside the checkpoint directory; refusing to read it"
                     )
-                nbytes = spec.local_numel * t.torch_dtype.itemsize
+                checked_files.add(file)
+            for file, spec in t.chunks():
+                nbytes = spec.local_numel * itemsize
                 if spec.byte_range[1] - spec.byte_range[0] != nbytes or spec.byte_range[0] < 8:  # 8: header length
                     raise CorruptCheckpointError(
                         f"{where}: tensor {key!r}, chunk {spec.name!r} in {file!r}: byte range "

@@ -39,13 +39,16 @@ class StoredIndex:
         self.itemsize = meta.torch_dtype.itemsize
         segs = []
         for file, spec in meta.chunks():
-            lo, hi = spec.flattened_range if spec.flattened_range is not None else (0, prod(spec.local_shape))
+            if spec.flattened_range is None:  # a box is its own single segment
+                segs.append((spec.global_offset, spec.local_shape, file, spec.byte_range[0], spec.crc32c, spec, file))
+                continue
+            lo, hi = spec.flattened_range
             parts = flat_segments(spec.local_shape, lo, hi)
             whole = spec.crc32c if len(parts) == 1 else None
             for rel, lens, fs in parts:
                 off = tuple(o + r for o, r in zip(spec.global_offset, rel))
                 start = spec.byte_range[0] + (fs - lo) * self.itemsize
-                segs.append((off, lens, file, start, whole, f"{file}:{spec.name}"))
+                segs.append((off, lens, file, start, whole, spec, file))
         segs.sort(key=lambda s: s[0][:1])
         self.segments = segs
         self.starts = [s[0][0] if s[0] else 0 for s in segs]
@@ -78,7 +81,7 @@ def plan_reads(index: StoredIndex, targets: list[Piece]) -> tuple[list[ReadItem]
             base = t_flat[0]
         for rel, lens, fs in t_segs:
             g_off = tuple(o + r for o, r in zip(t_off, rel))
-            for s_off, s_lens, file, s_start, crc, chunk in index.overlapping(g_off, lens):
+            for s_off, s_lens, file, s_start, crc, spec, _ in index.overlapping(g_off, lens):
                 hit = intersect(g_off, lens, s_off, s_lens)
                 if hit is None:
                     continue
@@ -96,7 +99,7 @@ def plan_reads(index: StoredIndex, targets: list[Piece]) -> tuple[list[ReadItem]
                         dst_rel=tuple(h - g for h, g in zip(h_off, g_off)),
                         lengths=h_lens,
                         crc32c=whole,
-                        chunk=chunk,
+                        chunk=f"{file}:{spec.name}",
                     )
                 )
                 covered[p] += prod(h_lens)

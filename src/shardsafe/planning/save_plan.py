@@ -123,10 +123,10 @@ def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int) 
         dtype, shape, _ = facts[key]
         check_tiling(key, shape, list(by_geom))
         item = torch_dtype(dtype).itemsize
-        nonempty = [(g, h) for g, h in by_geom.items() if _numel(g)]
+        nonempty = [(g, h, n) for g, h in by_geom.items() if (n := _numel(g))]
         sharded[key] = not (len(nonempty) == 1 and nonempty[0][0][1] == shape and nonempty[0][0][2] is None)
-        for geom, owners in nonempty:
-            nbytes = _numel(geom) * item
+        for geom, owners, numel in nonempty:
+            nbytes = numel * item
             if len(owners) == 1:
                 rank, idx = owners[0]
                 assigned[rank].append((key, idx, geom[0], geom[1], geom[2]))
@@ -148,6 +148,10 @@ def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int) 
             load[rank] += nbytes * size // lens[0] if parts > 1 else nbytes
 
     chunks: dict[str, list[tuple[int, int]]] = {key: [] for key in holders}
+    file_facts = {}
+    for key, (dtype, shape, _) in facts.items():
+        td = torch_dtype(dtype)
+        file_facts[key] = (shape, SAFETENSORS_CODE[td], td.itemsize)
     ranks = []
     for rank, items in enumerate(assigned):
         if not items:
@@ -156,11 +160,10 @@ def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int) 
         entries = []
         used: set[str] = set()
         for key, _idx, off, lens, flat in items:
-            dtype, shape, _ = facts[key]
-            td = torch_dtype(dtype)
+            shape, code, itemsize = file_facts[key]
             shape_in_file = lens if flat is None else (flat[1] - flat[0],)
             name = _entry_name(key, shape, off, lens, flat, used)
-            entries.append(FileEntry(name, SAFETENSORS_CODE[td], shape_in_file, prod(shape_in_file) * td.itemsize))
+            entries.append(FileEntry(name, code, shape_in_file, prod(shape_in_file) * itemsize))
         layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "1"})
         plan_items = []
         for j, ((key, idx, off, lens, flat), entry, br) in enumerate(zip(items, entries, layout.byte_ranges)):
