@@ -44,7 +44,8 @@ from functools import partial
 from math import prod
 
 from shardsafe._gc import paused_gc
-from shardsafe.format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
+from shardsafe.engine.writer import _build_metadata
+from shardsafe.format.metadata import StorageMetadata
 from shardsafe.planning.geometry import Piece, chunk_bounds
 from shardsafe.planning.read_plan import StoredIndex, plan_reads
 from shardsafe.planning.save_plan import SavePlan, TensorDesc, plan_save
@@ -152,25 +153,7 @@ def build_all(builder: Builder, model, world: int) -> tuple[list[list[TensorDesc
 
 def metadata_from_plan(plan: SavePlan) -> StorageMetadata:
     """What ``engine.writer`` commits, with every checksum 0 (no bytes are written here)."""
-    tensors = {}
-    for key, tp in plan.tensors.items():
-        per_file: dict[str, list[TensorShardSpec]] = {}
-        for rank, j in tp.chunks:
-            rp = plan.ranks[rank]
-            it = rp.items[j]
-            spec = TensorShardSpec(
-                global_offset=it.offsets,
-                local_shape=it.lengths,
-                flattened_range=it.flat,
-                name=it.name,
-                byte_range=it.byte_range,
-                crc32c=0,
-            )
-            per_file.setdefault(rp.file, []).append(spec)  # type: ignore[arg-type]
-        tensors[key] = TensorStorageMetadata(
-            shape=tp.shape, dtype=tp.dtype, is_sharded=tp.is_sharded, shard_spec_per_file=per_file
-        )
-    return StorageMetadata(tensors=tensors)
+    return _build_metadata(plan, [[0] * len(r.items) for r in plan.ranks], ({}, {}))
 
 
 def fsdp_targets(meta: StorageMetadata, world: int, rank: int) -> dict[str, list[Piece]]:

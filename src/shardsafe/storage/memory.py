@@ -62,12 +62,10 @@ class MemoryStorage:
             pos = end
 
     def _get(self, name: str) -> bytes:
-        check_name(name)
-        with _LOCK:
-            data = self._files.get(name)
-        if data is None:
-            raise CorruptCheckpointError(f"{self.url}/{name}: data file named in the metadata is missing")
-        return data
+        try:
+            return self.read(name)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.url}/{name}: data file named in the metadata is missing") from None
 
     def read(self, name: str) -> bytes:
         check_name(name)
