@@ -102,21 +102,27 @@ def test_clean_checkpoint_verifies_and_loads(saved: str) -> None:
         assert_bitexact(targets[key], want)
 
 
-@pytest.mark.parametrize("where", [0, 3, 8 * 5 * 4 - 1])
-def test_flipped_byte_in_chunk_fails_load_naming_file_and_key(saved: str, where: int) -> None:
-    file, spec = _chunk(saved, "w")
-    _flip_byte(saved, file, spec.byte_range[0] + where)
-
-    pattern = rf"(?s)(?=.*'w')(?=.*{re.escape(file)}).*checksum"
+def _assert_every_reader_refuses(saved: str, pattern: str) -> shardsafe.VerifyReport:
+    """load, unshard and verify all raise CorruptCheckpointError matching ``pattern``; returns the
+    collect-all report, which must not be ok."""
     with pytest.raises(CorruptCheckpointError, match=pattern):
         Checkpointer().load(saved, _targets())
     with pytest.raises(CorruptCheckpointError, match=pattern):
         Checkpointer().unshard(saved, no_dist=True)
     with pytest.raises(CorruptCheckpointError, match=pattern):
         shardsafe.verify(saved)
-
     report = shardsafe.verify(saved, collect_all=True)
     assert not report.ok
+    return report
+
+
+@pytest.mark.parametrize("where", [0, 3, 8 * 5 * 4 - 1])
+def test_flipped_byte_in_chunk_fails_load_naming_file_and_key(saved: str, where: int) -> None:
+    file, spec = _chunk(saved, "w")
+    _flip_byte(saved, file, spec.byte_range[0] + where)
+
+    pattern = rf"(?s)(?=.*'w')(?=.*{re.escape(file)}).*checksum"
+    report = _assert_every_reader_refuses(saved, pattern)
     assert report.chunks == 2
     assert len(report.errors) == 1
     assert "'w'" in report.errors[0] and file in report.errors[0] and "checksum" in report.errors[0]
@@ -158,14 +164,7 @@ def test_truncated_data_file_is_reported_as_truncated(saved: str, cut: str) -> N
     _rewrite(saved, file, raw[: _CUTS[cut](len(raw))])
 
     pattern = rf"(?s)(?=.*{re.escape(file)}).*truncated"
-    with pytest.raises(CorruptCheckpointError, match=pattern):
-        Checkpointer().load(saved, _targets())
-    with pytest.raises(CorruptCheckpointError, match=pattern):
-        Checkpointer().unshard(saved, no_dist=True)
-    with pytest.raises(CorruptCheckpointError, match=pattern):
-        shardsafe.verify(saved)
-    report = shardsafe.verify(saved, collect_all=True)
-    assert not report.ok
+    report = _assert_every_reader_refuses(saved, pattern)
     assert any("truncated" in e and file in e for e in report.errors)
 
 
@@ -174,14 +173,7 @@ def test_deleted_data_file_is_named(saved: str) -> None:
     open_storage(saved).delete(file)
 
     pattern = rf"(?s)(?=.*{re.escape(file)}).*missing"
-    with pytest.raises(CorruptCheckpointError, match=pattern):
-        Checkpointer().load(saved, _targets())
-    with pytest.raises(CorruptCheckpointError, match=pattern):
-        Checkpointer().unshard(saved, no_dist=True)
-    with pytest.raises(CorruptCheckpointError, match=pattern):
-        shardsafe.verify(saved)
-    report = shardsafe.verify(saved, collect_all=True)
-    assert not report.ok
+    report = _assert_every_reader_refuses(saved, pattern)
     assert len(report.errors) == 1 and file in report.errors[0]
 
 

@@ -69,9 +69,7 @@ class Reader:
             else:
                 for f in [self.pool.submit(self._run_job, job, itemsize, target) for job in jobs]:
                     f.result()
-        except CorruptCheckpointError as e:
-            if f"key {target.key!r}" in str(e):
-                raise
+        except CorruptCheckpointError as e:  # storage and checksum errors know the file, not the key
             raise CorruptCheckpointError(f"key {target.key!r}: {e}") from None
 
     def _count(self, n: int) -> None:
@@ -110,10 +108,8 @@ class Reader:
         for part in parts:
             crc = self._run(part, itemsize, target, crc)
         if expected is not None and crc != expected:
-            first = parts[0]
             raise CorruptCheckpointError(
-                f"key {target.key!r}: checksum mismatch in chunk {first.chunk}: stored crc32c {expected:#010x}, "
-                f"read {crc:#010x}; the file is damaged"
+                f"checksum mismatch in chunk {parts[0].chunk}: stored crc32c {expected:#010x}, read {crc:#010x}; the file is damaged"
             )
 
     def _run(self, item: ReadItem, itemsize: int, target: LocalTensor, crc: int) -> int:
