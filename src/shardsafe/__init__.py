@@ -2,6 +2,7 @@
 
 from .adapters import ShardedTensor
 from .checkpointer import Checkpointer
+from .engine.consolidate import unshard_to_safetensors
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -36,5 +37,6 @@ __all__ = [
     "TensorShardSpec",
     "TensorStorageMetadata",
     "VerifyReport",
+    "unshard_to_safetensors",
     "verify",
 ]

@@ -1,0 +1,217 @@
+"""Streaming unshard to one safetensors file: bit-exact, prefix selection, atomic, bounded memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import shardsafe
+from shardsafe import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    MissingKeyError,
+    ShardedTensor,
+)
+from shardsafe.engine import consolidate
+from shardsafe.knobs import KNOBS
+
+from .simulate import simulate_save
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _state(ws: int) -> list[dict]:
+    """``ws`` ranks: model weights sharded on dim 0 and dim 1, flat optimizer state, replicas."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(12, 10, generator=g).to(torch.bfloat16)
+    e = torch.randn(9, 6, generator=g)
+    m = torch.randn(5, 8, generator=g)
+    bias = torch.arange(7, dtype=torch.int64)
+    ranks = []
+    for r in range(ws):
+        flat = m.reshape(-1).chunk(ws)[r]
+        lo = sum(c.numel() for c in m.reshape(-1).chunk(ws)[:r])
+        ranks.append(
+            {
+                "model.w": ShardedTensor.from_rank_offsets("model.w", w.chunk(ws)[r].clone(), (0, r, ws)),
+                "model.e": ShardedTensor.from_rank_offsets("model.e", e.chunk(ws, dim=1)[r].clone(), (1, r, ws)),
+                "model.bias": bias,  # replicated: written once
+                "model.scalar": torch.tensor(2.5, dtype=torch.float64),
+                "model.empty": torch.empty(0, 3),
+                "optim.exp_avg": ShardedTensor.from_rank_offsets_flat(
+                    "optim.exp_avg", flat.clone(), (5, 8), (0, 0, 1), flattened_range=slice(lo, lo + flat.numel())
+                ),
+            }
+        )
+    return ranks
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    d = tmp_path / "ckpt"
+    simulate_save(str(d), _state(3))
+    return str(d)
+
+
+def test_bitexact_against_unshard_and_valid_safetensors(ckpt, tmp_path):
+    out = tmp_path / "all.safetensors"
+    summary = shardsafe.unshard_to_safetensors(ckpt, out)
+    full = Checkpointer().unshard(ckpt, no_dist=True)
+    got = load_file(str(out))
+    assert set(got) == set(full)
+    for k, v in full.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(_bits(got[k]), _bits(v)), k
+    assert summary == {
+        "tensors": 6,
+        "bytes": sum(v.numel() * v.element_size() for v in full.values()),
+        "file_bytes": os.path.getsize(out),
+        "values": 0,
+        "skipped_values": 0,
+    }
+    with safe_open(str(out), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.keys()) == set(full)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("all")] == ["all.safetensors"]
+
+
+def test_entries_are_aligned_to_their_itemsize(ckpt, tmp_path):
+    out = tmp_path / "o.safetensors"
+    shardsafe.unshard_to_safetensors(ckpt, out)
+    raw = out.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert (8 + n) % 8 == 0
+    header = json.loads(raw[8 : 8 + n])
+    size = {"F64": 8, "I64": 8, "F32": 4, "BF16": 2}
+    for name, e in header.items():
+        if name != "__metadata__":
+            assert e["data_offsets"][0] % size[e["dtype"]] == 0, name
+
+
+def test_prefix_selects_and_strips(ckpt, tmp_path):
+    out = tmp_path / "model.safetensors"
+    summary = shardsafe.unshard_to_safetensors(ckpt, str(out), prefix="model.")
+    full = Checkpointer().unshard(ckpt, no_dist=True)
+    got = load_file(str(out))
+    assert sorted(got) == ["bias", "e", "empty", "scalar", "w"]
+    for k, v in got.items():
+        assert torch.equal(_bits(v), _bits(full["model." + k])), k
+    assert summary["tensors"] == 5
+    optim = tmp_path / "optim.safetensors"
+    shardsafe.unshard_to_safetensors(ckpt, optim, prefix="optim.")
+    assert torch.equal(load_file(str(optim))["exp_avg"], full["optim.exp_avg"])
+
+
+def test_json_values_go_to_metadata_and_pickled_ones_are_skipped(tmp_path):
+    d = str(tmp_path / "c")
+    state = {"model.w": torch.ones(2, 2), "model.cfg": {"layers": 2, "act": "silu"}, "step": 5}
+    Checkpointer().save(d, state)
+    out = tmp_path / "m.safetensors"
+    summary = shardsafe.unshard_to_safetensors(d, out, prefix="model.")
+    with safe_open(str(out), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "cfg": '{"layers":2,"act":"silu"}'}
+    assert (summary["values"], summary["skipped_values"]) == (1, 0)
+
+    d2 = str(tmp_path / "p")
+    Checkpointer(allow_pickle=True).save(d2, {"w": torch.ones(3), "t": (1, 2), "step": 3})
+    out2 = tmp_path / "p.safetensors"
+    summary = shardsafe.unshard_to_safetensors(d2, out2)
+    with safe_open(str(out2), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "step": "3"}
+    assert (summary["values"], summary["skipped_values"]) == (1, 1)
+
+
+def test_refuses_to_overwrite_unless_asked(ckpt, tmp_path):
+    out = tmp_path / "x.safetensors"
+    out.write_bytes(b"old")
+    with pytest.raises(CheckpointExistsError, match=re.escape(f"{out}: file exists; pass overwrite=True to replace it")):
+        shardsafe.unshard_to_safetensors(ckpt, out)
+    assert out.read_bytes() == b"old"
+    shardsafe.unshard_to_safetensors(ckpt, out, overwrite=True)
+    assert len(load_file(str(out))) == 6
+
+
+def test_unknown_prefix_is_a_missing_key(ckpt, tmp_path):
+    with pytest.raises(
+        MissingKeyError, match=re.escape(f"{ckpt}: no key starts with prefix 'opt.' (6 tensors and 0 values stored)")
+    ):
+        shardsafe.unshard_to_safetensors(ckpt, tmp_path / "o.safetensors", prefix="opt.")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_a_key_equal_to_the_prefix_is_refused(tmp_path):
+    d = str(tmp_path / "c")
+    Checkpointer().save(d, {"model.": torch.ones(1), "model.w": torch.ones(1)})
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"{d}: key 'model.' would become an empty name in the safetensors file; choose a different prefix"),
+    ):
+        shardsafe.unshard_to_safetensors(d, tmp_path / "o.safetensors", prefix="model.")
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "nock").mkdir()
+    with pytest.raises(IncompleteCheckpointError, match="has no metadata.json"):
+        shardsafe.unshard_to_safetensors(tmp_path / "nock", tmp_path / "o.safetensors")
+    assert list(tmp_path.iterdir()) == [tmp_path / "nock"]
+
+
+def test_corrupt_chunk_fails_and_leaves_nothing(ckpt, tmp_path):
+    meta = Checkpointer().get_metadata(ckpt, no_dist=True)
+    file, spec = next(meta.tensors["model.w"].chunks())
+    path = os.path.join(ckpt, file)
+    with open(path, "r+b") as f:
+        f.seek(spec.byte_range[0])
+        b = f.read(1)
+        f.seek(spec.byte_range[0])
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match=r"key 'model.w': checksum mismatch in chunk"):
+        shardsafe.unshard_to_safetensors(ckpt, tmp_path / "o.safetensors")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("o.safetensors")]
+
+
+def test_memory_is_one_reused_buffer_of_the_largest_tensor(tmp_path, monkeypatch):
+    """Every tensor is loaded into a view of one buffer whose size is the largest tensor's."""
+    sizes = [(300, 64), (1000, 128), (20, 20), (514, 7)]
+    g = torch.Generator().manual_seed(3)
+    full = {f"t{i}": torch.randn(s, generator=g) for i, s in enumerate(sizes)}
+    ranks = [
+        {k: ShardedTensor.from_rank_offsets(k, v.chunk(2)[r].clone(), (0, r, 2)) for k, v in full.items()} for r in range(2)
+    ]
+    d = str(tmp_path / "c")
+    simulate_save(d, ranks)
+    allocated = []
+    real_empty = torch.empty
+
+    def spy_empty(*args, **kw):
+        t = real_empty(*args, **kw)
+        allocated.append(t.numel() * t.element_size())
+        return t
+
+    monkeypatch.setattr(consolidate.torch, "empty", spy_empty)
+    small = dataclasses.replace(KNOBS, read_buffer_bytes=1 << 16, io_threads=2)
+    shardsafe.unshard_to_safetensors(d, tmp_path / "o.safetensors", knobs=small)
+    assert allocated == [1000 * 128 * 4]
+    got = load_file(str(tmp_path / "o.safetensors"))
+    for k, v in full.items():
+        assert torch.equal(got[k], v)
+
+
+def test_empty_checkpoint_gives_a_valid_empty_file(tmp_path):
+    d = str(tmp_path / "c")
+    Checkpointer().save(d, {"step": 1})
+    out = tmp_path / "o.safetensors"
+    assert shardsafe.unshard_to_safetensors(d, out)["tensors"] == 0
+    assert load_file(str(out)) == {}
