@@ -1,6 +1,7 @@
 """shardsafe: fast, lean, safe distributed checkpoints for PyTorch, on safetensors files."""
 
 from .adapters import ShardedTensor
+from .api import load_model_and_optim_state, save_model_and_optim_state, unshard_model_state, unshard_optim_state
 from .checkpointer import Checkpointer
 from .engine.consolidate import unshard_to_safetensors
 from .errors import (
@@ -37,6 +38,10 @@ __all__ = [
     "TensorShardSpec",
     "TensorStorageMetadata",
     "VerifyReport",
+    "load_model_and_optim_state",
+    "save_model_and_optim_state",
+    "unshard_model_state",
+    "unshard_optim_state",
     "unshard_to_safetensors",
     "verify",
 ]

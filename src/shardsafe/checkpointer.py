@@ -85,11 +85,14 @@ class Checkpointer:
         rank0_only: bool = False,
         no_dist: bool = False,
         num_threads: int | None = None,
+        *,
+        prefix: str | None = None,
     ) -> dict[str, Any]:
         """The full (unsharded) state dict: every tensor whole, and the non-tensor values.
 
         Works in a plain process with no process group. With ``rank0_only`` only rank 0 reads
-        and the other ranks get ``{}``; with ``no_dist`` no collective is used at all.
+        and the other ranks get ``{}``; with ``no_dist`` no collective is used at all. With
+        ``prefix``, only the keys that start with it are read, and returned without it.
         """
         comm = get_comm(no_dist)
         storage = open_storage(dir)
@@ -97,14 +100,19 @@ class Checkpointer:
         if rank0_only and comm.rank != 0:
             return {}
         device = torch.device(device) if device is not None else torch.device("cpu")
+        pre = prefix or ""
         out: dict[str, Any] = {}
         with Reader(storage, self.knobs, num_threads=num_threads) as reader:
             for key, tm in meta.tensors.items():
+                if not key.startswith(pre):
+                    continue
                 full = torch.empty(tm.shape, dtype=tm.torch_dtype)
                 (target,), _ = describe_state({key: full})
                 reader.load_tensor(tm, target)
-                out[key] = full if device.type == "cpu" else full.to(device)
-        out.update(decode_objects(meta.objects, meta.pickled_objects, None, allow_pickle=self.allow_pickle, where=storage.url))
+                out[key[len(pre) :]] = full if device.type == "cpu" else full.to(device)
+        wanted = [k for k in [*meta.objects, *meta.pickled_objects] if k.startswith(pre)]
+        values = decode_objects(meta.objects, meta.pickled_objects, wanted, allow_pickle=self.allow_pickle, where=storage.url)
+        out.update((k[len(pre) :], v) for k, v in values.items())
         return out
 
     def get_metadata(self, dir: PathOrUrl, no_dist: bool = False) -> StorageMetadata:

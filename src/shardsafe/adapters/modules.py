@@ -1,0 +1,147 @@
+"""Models -> flat state of this rank's pieces, keyed by the parameter's name without wrapper parts.
+
+The same parameter is named the same in a plain module, under DDP (``module.``), FSDP1
+(``_fsdp_wrapped_module.``), activation checkpointing (``_checkpoint_wrapped_module.``) and
+``torch.compile`` (``_orig_mod.``), so one checkpoint loads into all of them. Values are views on
+the model's own memory, so filling them loads the model in place:
+
+- plain tensors (plain modules, DDP, buffers everywhere): replicated;
+- DTensors (FSDP2, HSDP, tensor parallel, FSDP2 + TP): as they are;
+- FSDP1 with ``use_orig_params=True``: each original parameter is a 1-D view on this rank's part
+  of the flat parameter, described as a flattened range of the full parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ShardingError
+from .sharded_tensor import ShardedTensor
+
+__all__ = ["ParamInfo", "model_params", "model_state"]
+
+# child names that wrapper modules give the module they wrap; dropped from names
+_WRAPPED_CHILD = {"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """A parameter (or buffer) as this rank holds it, under its wrapper-free name."""
+
+    fqn: str
+    tensor: torch.Tensor  # the module's own tensor: a Parameter, DTensor, buffer, or FSDP1 view
+    flat: tuple[tuple[int, ...], int, int] | None = None  # FSDP1: (full shape, start, stop) of this rank's part
+
+    @property
+    def holds_nothing(self) -> bool:
+        """An FSDP1 parameter none of which lives on this rank."""
+        return self.flat is not None and self.flat[1] == self.flat[2]
+
+    def sharded(self, key: str, value: torch.Tensor) -> Any:
+        """``value`` (the tensor or a same-shaped optimizer state) as a checkpoint value under ``key``."""
+        if self.flat is None:
+            return value
+        shape, start, stop = self.flat
+        data = value.detach().reshape(-1)
+        return ShardedTensor(key, data, shape, (0,) * len(shape), shape, flattened_range=slice(start, stop))
+
+
+def model_params(model: nn.Module) -> list[ParamInfo]:
+    """Every parameter once (tied parameters under their first name), in module order."""
+    flat = _fsdp1_ranges(model)
+    seen: set[int] = set()
+    out: list[ParamInfo] = []
+    for fqn, _, p in _walk(model, "parameters"):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append(ParamInfo(fqn, p, flat.get(id(p))))
+    return out
+
+
+def model_state(model: nn.Module) -> tuple[list[ParamInfo], list[ParamInfo]]:
+    """``(parameters, persistent buffers)`` of ``model``."""
+    params = model_params(model)
+    names = {p.fqn for p in params}
+    buffers, seen = [], set()
+    for fqn, module, b in _walk(model, "buffers"):
+        name = fqn.rsplit(".", 1)[-1]
+        if name in module._non_persistent_buffers_set or id(b) in seen:
+            continue
+        seen.add(id(b))
+        if fqn in names:  # pragma: no cover - a module cannot hold both
+            raise ShardingError(f"{fqn!r} is both a parameter and a buffer")
+        buffers.append(ParamInfo(fqn, b))
+    return params, buffers
+
+
+def _walk(model: nn.Module, what: str):
+    """``(clean name, owning module, tensor)`` for every parameter or buffer."""
+    stack = [(model, "")]
+    while stack:
+        module, prefix = stack.pop()
+        _check_fsdp1(module, prefix)
+        tensors = module._parameters if what == "parameters" else module._buffers
+        for name, t in tensors.items():
+            if t is not None:
+                yield prefix + name, module, t
+        wrapper = _is_wrapper(module)
+        children = []
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            drop = wrapper and name in _WRAPPED_CHILD
+            children.append((child, prefix if drop else f"{prefix}{name}."))
+        stack.extend(reversed(children))
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel | DataParallel):
+        return True
+    name = type(module).__name__
+    return name in ("FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper", "OptimizedModule")
+
+
+def _check_fsdp1(module: nn.Module, prefix: str) -> None:
+    if type(module).__name__ != "FullyShardedDataParallel":
+        return
+    if not getattr(module, "_use_orig_params", True):
+        raise ShardingError(
+            f"FSDP1 module {prefix.rstrip('.') or '<root>'!r} has use_orig_params=False: its parameters exist only "
+            "inside one flat parameter, so optimizer state cannot be keyed by parameter name. Wrap the model with "
+            "FullyShardedDataParallel(..., use_orig_params=True), or use FSDP2 (fully_shard)"
+        )
+
+
+def _fsdp1_ranges(model: nn.Module) -> dict[int, tuple[tuple[int, ...], int, int]]:
+    """For FSDP1 original parameters: id -> (full shape, start, stop) of this rank's flat part."""
+    out: dict[int, tuple[tuple[int, ...], int, int]] = {}
+    for module in model.modules():
+        if type(module).__name__ != "FullyShardedDataParallel":
+            continue
+        handle = getattr(module, "_handle", None)
+        if handle is None:
+            continue
+        fp = handle.flat_param
+        if not handle.uses_sharded_strategy:
+            continue  # NO_SHARD: every rank holds whole parameters, plain replicated tensors
+        params = fp._params or []
+        for p, info, shape in zip(params, fp._shard_param_infos, fp._shapes):
+            shape = tuple(int(s) for s in shape)
+            if info.in_shard:
+                start, stop = info.intra_param_start_idx, info.intra_param_end_idx + 1
+            else:
+                start = stop = 0
+            if p.numel() != stop - start:
+                raise ShardingError(
+                    f"FSDP1 parameter of shape {list(shape)} holds {p.numel()} elements on this rank, its shard "
+                    f"says {stop - start}: save and load outside forward/backward, with parameters resharded"
+                )
+            out[id(p)] = (shape, start, stop)
+    return out

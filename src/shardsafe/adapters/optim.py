@@ -1,0 +1,210 @@
+"""Optimizers -> flat state keyed by parameter name, and back, in place.
+
+Stored keys (never integer ids, never pickle):
+
+- ``optim.state.<param fqn>.<state name>``: a tensor with the parameter's sharding (``exp_avg``,
+  ``momentum_buffer``...), a replicated scalar tensor (``step``), or a JSON value;
+- ``optim.param_groups``: a JSON list, one dict per group, its hyper-parameters and ``params``
+  as a list of parameter names.
+
+Loading needs no state in the target optimizer: missing state tensors are allocated once, with the
+parameter's sharding and the stored dtype, filled in place, and handed to the optimizer's own
+``load_state_dict`` (which keeps them: same dtype and device, no copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, ShapeMismatchError, ShardingError
+from ..format.metadata import StorageMetadata
+from .modules import ParamInfo
+
+__all__ = ["GROUPS_KEY", "STATE_PREFIX", "optim_state", "optim_targets", "split_state_key"]
+
+STATE_PREFIX = "optim.state."
+GROUPS_KEY = "optim.param_groups"
+
+
+def _named(optim: torch.optim.Optimizer, params: list[ParamInfo]) -> list[list[tuple[ParamInfo, torch.Tensor]]]:
+    by_id = {id(p.tensor): p for p in params}
+    groups = []
+    for gi, group in enumerate(optim.param_groups):
+        named = []
+        for p in group["params"]:
+            info = by_id.get(id(p))
+            if info is None:
+                raise CheckpointError(
+                    f"optimizer param group {gi} holds a parameter of shape {list(p.shape)} that is not a parameter "
+                    "of the model: pass the model the optimizer was built for"
+                )
+            named.append((info, p))
+        groups.append(named)
+    return groups
+
+
+def _param_shape(info: ParamInfo) -> tuple[int, ...]:
+    return info.flat[0] if info.flat is not None else tuple(info.tensor.shape)
+
+
+def optim_state(optim: torch.optim.Optimizer, params: list[ParamInfo]) -> dict[str, Any]:
+    """The optimizer's state and param groups as flat checkpoint values (views, no copies)."""
+    out: dict[str, Any] = {}
+    groups = []
+    for group, named in zip(optim.param_groups, _named(optim, params)):
+        for info, p in named:
+            for name, value in optim.state.get(p, {}).items():
+                key = f"{STATE_PREFIX}{info.fqn}.{name}"
+                if not isinstance(value, torch.Tensor):
+                    out[key] = value
+                elif value.dim() == 0 and type(value) is torch.Tensor:
+                    out[key] = value  # a replicated scalar such as Adam's step
+                elif tuple(value.shape) == tuple(p.shape):
+                    if not info.holds_nothing:
+                        out[key] = info.sharded(key, value)
+                else:
+                    raise ShardingError(
+                        f"optimizer state {name!r} of parameter {info.fqn!r} has shape {list(value.shape)}; only "
+                        f"scalars and tensors shaped like the parameter ({list(p.shape)}) can be saved by name"
+                    )
+        hp = {k: _hp_to_json(v) for k, v in group.items() if k != "params"}
+        hp["params"] = [info.fqn for info, _ in named]
+        groups.append(hp)
+    out[GROUPS_KEY] = groups
+    return out
+
+
+def split_state_key(key: str, fqns: set[str] | None) -> tuple[str, str]:
+    """``optim.state.<fqn>.<name>`` -> ``(fqn, name)``, preferring a known ``fqn``."""
+    rest = key[len(STATE_PREFIX):]
+    if fqns is not None:
+        pos = rest.rfind(".")
+        while pos > 0:
+            if rest[:pos] in fqns:
+                return rest[:pos], rest[pos + 1 :]
+            pos = rest.rfind(".", 0, pos)
+    fqn, _, name = rest.rpartition(".")
+    return fqn, name
+
+
+def optim_targets(
+    optim: torch.optim.Optimizer, params: list[ParamInfo], meta: StorageMetadata, where: str, *, strict: bool
+) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+    """Targets to fill from ``meta`` and a function that hands them (once filled) to ``optim``."""
+    named = _named(optim, params)
+    stored_groups = meta.objects.get(GROUPS_KEY)
+    if not isinstance(stored_groups, list):
+        raise CheckpointError(f"{where}: no optimizer state in the checkpoint (no {GROUPS_KEY!r}); was it saved with an optimizer?")
+    _check_groups(stored_groups, [[i.fqn for i, _ in g] for g in named], where)
+    fqns = {info.fqn for g in named for info, _ in g}
+    stored: dict[str, dict[str, str]] = {}  # fqn -> state name -> key
+    for key in [*meta.tensors, *meta.objects, *meta.pickled_objects]:
+        if key.startswith(STATE_PREFIX):
+            fqn, name = split_state_key(key, fqns)
+            if fqn not in fqns:
+                if strict:
+                    raise CheckpointError(
+                        f"{where}: checkpoint holds optimizer state {key!r} for parameter {fqn!r}, which the "
+                        "optimizer does not hold (pass validate=False to ignore it)"
+                    )
+                continue
+            stored.setdefault(fqn, {})[name] = key
+
+    targets: dict[str, Any] = {}
+    new_state: list[list[dict[str, Any]]] = []
+    for named_group in named:
+        group_state = []
+        for info, p in named_group:
+            current = optim.state.get(p, {})
+            st: dict[str, Any] = {}
+            if info.holds_nothing:
+                group_state.append(st)  # FSDP1 keeps no state for a parameter with no part on this rank
+                continue
+            for name, key in stored.get(info.fqn, {}).items():
+                tm = meta.tensors.get(key)
+                if tm is None:  # a JSON value
+                    st[name] = None
+                    targets[key] = None
+                    continue
+                st[name] = t = _target(current.get(name), tm.shape, tm.torch_dtype, info, p, key, where)
+                targets[key] = t if t.dim() == 0 and type(t) is torch.Tensor else info.sharded(key, t)
+            group_state.append(st)
+        new_state.append(group_state)
+
+    def apply(loaded: dict[str, Any]) -> None:
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        idx = 0
+        for gi, (named_group, group_state) in enumerate(zip(named, new_state)):
+            ids = []
+            for (info, _), st in zip(named_group, group_state):
+                for name, key in stored.get(info.fqn, {}).items() if st else ():
+                    if st[name] is None:
+                        st[name] = loaded[key]
+                if st:
+                    state[idx] = st
+                ids.append(idx)
+                idx += 1
+            current = optim.param_groups[gi]
+            g = {k: _hp_from_json(v, current.get(k)) for k, v in stored_groups[gi].items() if k != "params"}
+            g["params"] = ids
+            groups.append(g)
+        optim.load_state_dict({"state": state, "param_groups": groups})
+
+    return targets, apply
+
+
+def _target(current: Any, shape: tuple[int, ...], dtype: torch.dtype, info: ParamInfo, p: torch.Tensor, key: str, where: str) -> torch.Tensor:
+    """The tensor to load ``key`` into: the optimizer's own if it fits, else a new one like ``p``."""
+    if shape == ():
+        if isinstance(current, torch.Tensor) and type(current) is torch.Tensor and current.dim() == 0 and current.dtype == dtype:
+            return current
+        return torch.empty((), dtype=dtype)
+    if shape != _param_shape(info):
+        raise ShapeMismatchError(
+            f"{where}: key {key!r}: checkpoint holds optimizer state of shape {list(shape)} for parameter "
+            f"{info.fqn!r} of shape {list(_param_shape(info))}; only scalars and parameter-shaped state load by name"
+        )
+    if (
+        isinstance(current, torch.Tensor)
+        and type(current) is type(p.data)
+        and current.shape == p.shape
+        and current.dtype == dtype
+    ):
+        return current
+    return torch.empty_like(p.detach(), dtype=dtype)
+
+
+def _check_groups(stored: list, current: list[list[str]], where: str) -> None:
+    if len(stored) != len(current):
+        raise CheckpointError(
+            f"{where}: checkpoint has {len(stored)} optimizer param group(s), the optimizer has {len(current)}"
+        )
+    for gi, (s, c) in enumerate(zip(stored, current)):
+        saved = set(s.get("params", [])) if isinstance(s, dict) else set()
+        if saved != set(c):
+            missing, extra = sorted(set(c) - saved), sorted(saved - set(c))
+            raise CheckpointError(
+                f"{where}: optimizer param group {gi} differs from the checkpoint's: parameters only in the "
+                f"optimizer {missing[:5]}{'...' if len(missing) > 5 else ''}, only in the checkpoint "
+                f"{extra[:5]}{'...' if len(extra) > 5 else ''}"
+            )
+
+
+def _hp_to_json(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()  # a tensor learning rate: restored into the optimizer's own tensor
+    if isinstance(value, tuple):
+        return [_hp_to_json(v) for v in value]
+    return value
+
+
+def _hp_from_json(value: Any, current: Any) -> Any:
+    if isinstance(current, torch.Tensor):
+        return torch.tensor(value, dtype=current.dtype, device=current.device).reshape(current.shape)
+    if isinstance(current, tuple) and isinstance(value, list):
+        return tuple(value)
+    return value

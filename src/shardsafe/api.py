@@ -1,0 +1,155 @@
+"""Model and optimizer checkpoints for any PyTorch parallelism, in one call each.
+
+Stored keys: ``model.<name>`` for parameters and persistent buffers (names without wrapper
+parts such as ``module.`` or ``_fsdp_wrapped_module.``), and the optimizer under ``optim.``
+(see :mod:`shardsafe.adapters.optim`). So a checkpoint saved from DDP loads into FSDP2, FSDP1,
+tensor parallel or a plain module, at any world size. No state_dict_type to set, no pickle.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters.modules import ParamInfo, model_state
+from .adapters.optim import GROUPS_KEY, STATE_PREFIX, optim_state, optim_targets, split_state_key
+from .checkpointer import Checkpointer, _read_metadata
+from .dist import get_comm
+from .errors import CheckpointError, MissingKeyError
+from .knobs import Knobs
+from .storage import open_storage
+
+__all__ = ["load_model_and_optim_state", "save_model_and_optim_state", "unshard_model_state", "unshard_optim_state"]
+
+PathOrUrl = str | os.PathLike[str]
+MODEL_PREFIX = "model."
+
+
+def _model_values(params: list[ParamInfo], buffers: list[ParamInfo]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for info in [*params, *buffers]:
+        if info.holds_nothing:
+            continue  # FSDP1: none of this parameter lives on this rank
+        key = MODEL_PREFIX + info.fqn
+        out[key] = info.sharded(key, info.tensor)
+    return out
+
+
+def save_model_and_optim_state(
+    dir: PathOrUrl,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    save_overwrite: bool = False,
+    *,
+    knobs: Knobs | None = None,
+) -> list[str]:
+    """Save the model's parameters and persistent buffers and the optimizer's state.
+
+    Every rank calls this together, outside forward/backward. Works for plain modules, DDP,
+    FSDP2 (``fully_shard``, HSDP), tensor parallel, FSDP2 + TP and FSDP1 with
+    ``use_orig_params=True``; the result loads into any of them at any world size with
+    :func:`load_model_and_optim_state`. Returns the files this rank wrote.
+    """
+    params, buffers = model_state(model)
+    state = _model_values(params, buffers)
+    if optim is not None:
+        state.update(optim_state(optim, params))
+    _, files = Checkpointer(knobs=knobs).save(dir, state, save_overwrite=save_overwrite)
+    return files
+
+
+def load_model_and_optim_state(
+    dir: PathOrUrl,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    validate: bool = True,
+    *,
+    knobs: Knobs | None = None,
+) -> None:
+    """Load a checkpoint of :func:`save_model_and_optim_state` into ``model`` (and ``optim``) in place.
+
+    Every rank calls this together. Parameters and buffers are filled in their own memory, each
+    rank reading only its part; optimizer state is filled in place too (allocated once, like the
+    parameter, if the optimizer has none yet: no dummy step needed) and handed to the optimizer's
+    ``load_state_dict``, which also restores each param group's hyper-parameters.
+
+    Every element of every target is overwritten or an error is raised, always. ``validate``
+    additionally refuses a checkpoint that holds model or optimizer keys the targets lack
+    (``MissingKeyError`` is raised either way for keys the targets need and the checkpoint lacks).
+    """
+    ckpt = Checkpointer(knobs=knobs)
+    comm = get_comm()
+    storage = open_storage(dir)
+    meta = _read_metadata(storage, comm)
+    params, buffers = model_state(model)
+    holder: dict[str, Any] = {}
+
+    def targets() -> None:
+        _check_model_keys(meta.tensors, [i.fqn for i in [*params, *buffers]], storage.url, strict=validate)
+        state = _model_values(params, buffers)
+        if optim is not None:
+            opt_targets, holder["apply"] = optim_targets(optim, params, meta, storage.url, strict=validate)
+            state.update(opt_targets)
+        holder["state"] = state
+
+    comm.check(targets)
+    state = holder["state"]
+    ckpt.load(dir, state, metadata=meta)
+    if optim is not None:
+        comm.check(lambda: holder["apply"](state))
+
+
+def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool) -> None:
+    stored_model = {k[len(MODEL_PREFIX) :] for k in stored if k.startswith(MODEL_PREFIX)}
+    missing = [f for f in fqns if f not in stored_model]
+    if missing:
+        raise MissingKeyError(
+            f"{where}: the checkpoint lacks {len(missing)} model key(s) the model has: {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''} ({len(stored_model)} model tensors stored)"
+        )
+    if strict:
+        extra = sorted(stored_model - set(fqns))
+        if extra:
+            raise CheckpointError(
+                f"{where}: the checkpoint holds {len(extra)} model key(s) the model lacks: {extra[:5]}"
+                f"{'...' if len(extra) > 5 else ''}; pass validate=False to load the rest"
+            )
+
+
+def unshard_model_state(
+    dir: PathOrUrl, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
+) -> dict[str, torch.Tensor]:
+    """The full model state dict (parameter name -> whole tensor) of a model/optimizer checkpoint.
+
+    Needs no process group. With ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
+    collective at all. Only model tensors are read.
+    """
+    return Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix=MODEL_PREFIX)
+
+
+def unshard_optim_state(
+    dir: PathOrUrl, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
+) -> dict[str, Any]:
+    """The full optimizer state, keyed by parameter name: ``{"state": {name: {state name: value}},
+    "param_groups": [{..hyper-parameters.., "params": [name, ...]}]}``.
+
+    Needs no process group. With ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
+    collective at all. Only optimizer state is read.
+    """
+    flat = Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix="optim.")
+    if not flat:
+        return {}
+    groups = flat.pop(GROUPS_KEY[len("optim.") :], None)
+    if groups is None:
+        raise CheckpointError(f"{dir}: no optimizer state in the checkpoint (no {GROUPS_KEY!r})")
+    fqns = {f for g in groups for f in g["params"]}
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if not key.startswith(STATE_PREFIX[len("optim.") :]):
+            continue
+        fqn, name = split_state_key("optim." + key, fqns)
+        state.setdefault(fqn, {})[name] = value
+    return {"state": state, "param_groups": groups}
