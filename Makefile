@@ -26,3 +26,16 @@ bench-plan: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# I/O benchmarks: shardsafe against DCP, torch.save, safetensors and the raw limit, in one run
+.PHONY: bench bench-quick
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,dev,bench]"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_io.py --update-docs
+
+bench-quick: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_io.py --quick
