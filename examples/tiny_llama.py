@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KINDS", "LlamaConfig", "Transformer", "batch", "loss_fn", "make_optimizer", "parallelize"]
+__all__ = ["KINDS", "LlamaConfig", "Transformer", "batch", "data_parallel_coords", "loss_fn", "make_optimizer", "parallelize", "train"]
 
 KINDS = ("plain", "ddp", "fsdp2", "hsdp", "tp", "fsdp2_tp", "fsdp1")
 
@@ -134,6 +134,43 @@ def batch(cfg: LlamaConfig, step: int, batch_size: int = 4, seq_len: int = 32) -
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def data_parallel_coords(kind: str, rank: int, world_size: int) -> tuple[int, int]:
+    """``(dp_rank, dp_size)``: which slice of the global batch this rank trains on."""
+    if kind in ("plain", "tp"):
+        return 0, 1
+    if kind == "fsdp2_tp":
+        return rank // (world_size // 2), 2
+    return rank, world_size
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, cfg: LlamaConfig, steps: range, kind: str, *, global_batch: int = 8, split_batch: bool = True) -> list[float]:
+    """Train on steps ``steps``; returns the global-batch loss of each step (the same on every rank).
+
+    With ``split_batch`` each data-parallel rank takes its slice of the global batch (real data
+    parallelism); without, every rank trains on the whole batch.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_initialized()
+    rank, ws = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    dp_rank, dp_size = data_parallel_coords(kind, rank, ws) if split_batch else (0, 1)
+    losses = []
+    for step in steps:
+        x, y = batch(cfg, step, batch_size=global_batch)
+        per = global_batch // dp_size
+        x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        report = loss.detach().clone()
+        if distributed:
+            dist.all_reduce(report)
+            report /= ws
+        losses.append(report.item())
+    return losses
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
