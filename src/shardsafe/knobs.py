@@ -20,6 +20,11 @@ _TABLE: dict[str, tuple[int, str]] = {
     "coalesce_gap_bytes": (4096, "byte gap under which two ranged reads become one"),
     "write_block_bytes": (64 * _MiB, "largest single write call when streaming a chunk (bytes)"),
     "replica_split_bytes": (16 * _MiB, "replicated tensors larger than this are split across replicas"),
+    "object_part_bytes": (16 * _MiB, "object stores: multipart upload part size (bytes, at least 5 MiB)"),
+    "object_get_bytes": (8 * _MiB, "object stores: largest single ranged GET; larger reads are split (bytes)"),
+    "object_concurrency": (8, "object stores: parts in flight per uploaded file, ranged GETs in flight per rank"),
+    "object_max_retries": (10, "object stores: retries of a request that failed with 5xx, throttling or a reset"),
+    "object_retry_timeout_s": (180, "object stores: no retry starts later than this after the first try (seconds)"),
 }
 
 
@@ -30,6 +35,12 @@ class Knobs:
     coalesce_gap_bytes: int
     write_block_bytes: int
     replica_split_bytes: int
+    # rows added after the first release have defaults, so Knobs(...) built field by field still works
+    object_part_bytes: int = _TABLE["object_part_bytes"][0]
+    object_get_bytes: int = _TABLE["object_get_bytes"][0]
+    object_concurrency: int = _TABLE["object_concurrency"][0]
+    object_max_retries: int = _TABLE["object_max_retries"][0]
+    object_retry_timeout_s: int = _TABLE["object_retry_timeout_s"][0]
 
     @classmethod
     def from_env(cls) -> Knobs:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import StorageError
 
@@ -66,11 +66,30 @@ def check_name(name: str) -> str:
     return name
 
 
-def open_storage(location: str | os.PathLike[str]) -> Storage:
-    """The backend for a checkpoint location: a local path, ``file://``, or ``memory://``."""
+def open_storage(location: str | os.PathLike[str] | Storage, **options: Any) -> Storage:
+    """The backend for a checkpoint location.
+
+    ``location`` is a local path, ``file://``, ``memory://``, an object-store URL
+    (``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://container/prefix``), or a
+    ``Storage`` already opened, which is returned as it is. ``options`` are the fields of
+    :class:`~shardsafe.storage.ObjectStoreOptions` (``endpoint``, ``region``, ``profile``,
+    ``credentials``, ...), for object-store URLs only.
+    """
+    if not isinstance(location, (str, os.PathLike)):
+        if options:
+            raise TypeError("open_storage: options apply to a URL, not to a Storage already opened")
+        return location
     loc = os.fspath(location)
     m = _SCHEME.match(loc)
     scheme = m.group(1).lower() if m else "file"
+    from .cloud_config import OBJECT_SCHEMES, ObjectStoreOptions
+
+    if scheme in OBJECT_SCHEMES:
+        from .object_store import ObjectStorage
+
+        return ObjectStorage(loc, ObjectStoreOptions(**options))
+    if options:
+        raise TypeError(f"open_storage: options {sorted(options)} apply to object-store URLs only, not to {loc!r}")
     if scheme == "file":
         from .local import LocalStorage
 
@@ -79,4 +98,7 @@ def open_storage(location: str | os.PathLike[str]) -> Storage:
         from .memory import MemoryStorage
 
         return MemoryStorage(loc)
-    raise StorageError(f"{loc}: no storage backend for scheme {scheme!r}; supported: local paths, file://, memory://")
+    raise StorageError(
+        f"{loc}: no storage backend for scheme {scheme!r}; supported: local paths, file://, memory://, "
+        "s3://, gs://, az://"
+    )

@@ -1,0 +1,321 @@
+"""Object-store storage (S3, GCS, Azure Blob) through obstore, the Python face of Rust ``object_store``.
+
+How the :class:`~shardsafe.storage.Storage` calls map onto requests:
+
+- ``write_file``: a multipart upload (S3/GCS parts, Azure blocks), ``concurrency`` parts of
+  ``part_bytes`` in flight; memory stays near ``(concurrency + 1) * part_bytes`` whatever the
+  file size, and nothing goes to local disk. The object appears only when the upload
+  completes; if the body or an upload request fails, the upload is aborted. A file smaller
+  than one part is sent with one PUT.
+- ``put_atomic``: one PUT. ``overwrite=False`` is a conditional create (``If-None-Match: *`` on
+  S3 and Azure, ``x-goog-if-generation-match: 0`` on GCS): of two racing commits one wins and
+  the other gets ``FileExistsError``.
+- ``read_into``: ranged GETs of at most ``get_bytes`` each, up to ``concurrency`` in flight,
+  each copied into the caller's buffers as it lands.
+- ``read``/``list``/``delete``: GET, a delimited LIST of the prefix, DELETE.
+
+Throttling (503 SlowDown), other 5xx, timeouts and connection resets, including a body cut
+off mid-transfer, are retried with exponential backoff and jitter, up to ``max_retries`` times
+and no later than ``retry_timeout_s`` after the first try. Other errors (403, 404 on the
+bucket, 400) fail at once with a :class:`~shardsafe.StorageError` naming the URL and the
+server's answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import CorruptCheckpointError, StorageError
+from ..knobs import KNOBS, Knobs
+from .base import check_name
+from .cloud_config import ObjectStoreOptions, build_store, parse_object_url
+
+__all__ = ["ObjectStorage"]
+
+log = logging.getLogger(__name__)
+
+
+class _PartWriter:
+    """Feeds an obstore writer in slices of at most one part, so that each call waits for a free
+    upload slot and no more than ``concurrency`` parts are ever in flight."""
+
+    def __init__(self, storage: ObjectStorage, name: str, sink: Any) -> None:
+        self._storage = storage
+        self._name = name
+        self._sink = sink
+        self.nbytes = 0
+
+    def write(self, data: memoryview) -> None:
+        view = memoryview(data).cast("B")
+        step = self._storage.part_bytes
+        try:
+            for pos in range(0, view.nbytes, step):
+                self._sink.write(view[pos : pos + step])
+        except Exception as e:  # obstore errors, or OSError from its runtime
+            raise self._storage._error(e, self._name, "upload failed") from e
+        self.nbytes += view.nbytes
+
+
+class ObjectStorage:
+    """A checkpoint location in S3, GCS or Azure Blob Storage.
+
+    ``url`` is ``s3://bucket/prefix``, ``gs://bucket/prefix`` or ``az://container/prefix``;
+    ``options`` (or keyword arguments of :func:`~shardsafe.storage.open_storage`) override
+    what the environment says; see :mod:`shardsafe.storage.cloud_config`. Safe to share
+    between threads.
+    """
+
+    def __init__(self, url: str, options: ObjectStoreOptions | None = None, *, knobs: Knobs | None = None) -> None:
+        knobs = knobs or KNOBS
+        self.options = options or ObjectStoreOptions()
+        self.location = parse_object_url(url)
+        self.url = self.location.url
+        o = self.options
+        self.part_bytes = o.part_bytes or max(knobs.object_part_bytes, 5 << 20)
+        self.get_bytes = o.get_bytes or max(knobs.object_get_bytes, 1 << 16)
+        self.concurrency = o.concurrency or max(knobs.object_concurrency, 1)
+        self._store = build_store(
+            self.location,
+            o,
+            max_retries=knobs.object_max_retries if o.max_retries is None else o.max_retries,
+            retry_timeout_s=knobs.object_retry_timeout_s if o.retry_timeout_s is None else o.retry_timeout_s,
+        )
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ObjectStorage({self.url!r})"
+
+    # --- writing -------------------------------------------------------------------------------
+
+    @contextmanager
+    def write_file(self, name: str) -> Iterator[_PartWriter]:
+        import obstore
+
+        check_name(name)
+        sink = obstore.open_writer(self._store, name, buffer_size=self.part_bytes, max_concurrency=self.concurrency)
+        writer = _PartWriter(self, name, sink)
+        try:
+            yield writer
+        except BaseException as e:
+            self._abort(sink, name, e)
+            raise
+        try:
+            sink.close()
+        except Exception as e:
+            raise self._error(e, name, f"completing the upload of {writer.nbytes} bytes failed") from e
+
+    def _abort(self, sink: Any, name: str, cause: BaseException) -> None:
+        """Abort the multipart upload (its parts are deleted); never hides ``cause``."""
+        try:
+            sink.__exit__(type(cause), cause, cause.__traceback__)
+        except Exception as e:  # already closed by a failed write, or the abort itself failed
+            if "already closed" not in str(e):
+                log.warning("%s/%s: could not abort the multipart upload: %s", self.url, name, _describe(e))
+
+    def put_atomic(self, name: str, data: bytes, *, overwrite: bool) -> None:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, NotSupportedError, PreconditionError
+
+        check_name(name)
+        try:
+            if overwrite:
+                obstore.put(self._store, name, data, mode="overwrite", use_multipart=False)
+                return
+            try:
+                obstore.put(self._store, name, data, mode="create", use_multipart=False)
+            except (AlreadyExistsError, PreconditionError) as e:
+                # a create retried after a lost answer finds its own first try: same bytes, ours
+                if _retries(e) > 0 and self._read_or_none(name) == bytes(data):
+                    return
+                raise FileExistsError(f"{self.url}/{name} already exists") from None
+            except NotSupportedError:
+                log.warning("%s: the store has no conditional put; checking for %s, then writing it", self.url, name)
+                if self._read_or_none(name) is not None:
+                    raise FileExistsError(f"{self.url}/{name} already exists") from None
+                obstore.put(self._store, name, data, mode="overwrite", use_multipart=False)
+        except FileExistsError:
+            raise
+        except Exception as e:
+            raise self._error(e, name, "write failed") from e
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
+        check_name(name)
+        views = [memoryview(b).cast("B") for b in buffers]
+        want = sum(v.nbytes for v in views)
+        if want == 0:
+            return
+        starts = list(range(offset, offset + want, self.get_bytes))
+        if len(starts) == 1:
+            self._fetch(name, offset, want, views, offset, want)
+            return
+        pool = self._executor()
+        futures = [
+            pool.submit(self._fetch, name, s, min(self.get_bytes, offset + want - s), views, offset, want) for s in starts
+        ]
+        errors = []
+        for f in futures:  # wait for all: no request may still write into the buffers after we return
+            try:
+                f.result()
+            except Exception as e:  # noqa: PERF203
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _fetch(self, name: str, start: int, length: int, views: list[memoryview], offset: int, want: int) -> None:
+        """GET bytes [start, start + length) and copy them to where they belong in ``views``
+        (which hold bytes [offset, offset + want) of the file, in order)."""
+        import obstore
+
+        try:
+            data = memoryview(obstore.get_range(self._store, name, start=start, length=length))
+        except Exception as e:
+            if _status(e) == 416:
+                raise self._truncated(name, offset, want) from None
+            if _is_missing_object(e):
+                raise CorruptCheckpointError(f"{self.url}/{name}: data file named in the metadata is missing") from None
+            raise self._error(e, name, f"read of bytes [{start}, {start + length}) failed") from e
+        if data.nbytes < length:
+            raise self._truncated(name, offset, want)
+        pos = start - offset  # position of ``data`` within the concatenated views
+        for v in views:
+            if pos >= v.nbytes:
+                pos -= v.nbytes
+                continue
+            n = min(v.nbytes - pos, data.nbytes)
+            v[pos : pos + n] = data[:n]
+            data = data[n:]
+            pos = 0
+            if not data.nbytes:
+                break
+
+    def _truncated(self, name: str, offset: int, want: int) -> CorruptCheckpointError:
+        import obstore
+
+        try:
+            size = f"{obstore.head(self._store, name)['size']} bytes"
+        except Exception:  # the answer is only for the message
+            size = "fewer bytes"
+        return CorruptCheckpointError(f"{self.url}/{name}: truncated: needed bytes [{offset}, {offset + want}) but the file has {size}")
+
+    def read(self, name: str) -> bytes:
+        import obstore
+
+        check_name(name)
+        try:
+            return obstore.get(self._store, name).bytes().to_bytes()
+        except Exception as e:
+            if _is_missing_object(e):
+                raise FileNotFoundError(f"{self.url}/{name}") from None
+            raise self._error(e, name, "read failed") from e
+
+    def _read_or_none(self, name: str) -> bytes | None:
+        try:
+            return self.read(name)
+        except FileNotFoundError:
+            return None
+
+    def list(self) -> list[str]:
+        import obstore
+
+        try:
+            found = obstore.list_with_delimiter(self._store)
+        except Exception as e:
+            raise self._error(e, None, "list failed") from e
+        return sorted(o["path"].rsplit("/", 1)[-1] for o in found["objects"])
+
+    def delete(self, name: str) -> None:
+        import obstore
+
+        check_name(name)
+        try:
+            obstore.delete(self._store, name)
+        except Exception as e:
+            if not _is_missing_object(e):
+                raise self._error(e, name, "delete failed") from e
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="shardsafe-get")
+            return self._pool
+
+    # --- errors --------------------------------------------------------------------------------
+
+    def _error(self, e: BaseException, name: str | None, action: str) -> StorageError:
+        where = f"{self.url}/{name}" if name else self.url
+        return StorageError(f"{where}: {action}: {_describe(e)}{_hint(e)}")
+
+
+# Errors come from obstore as text: "<summary>: Error performing GET <url> in 3ms - Server returned
+# non-2xx status code: 403 Forbidden: <body>\n\nDebug source:\n<struct dump>". The helpers below
+# pull out what a person needs: status, the service's error code and message, retries made.
+
+_STATUS = re.compile(r"status code: (\d{3})([^:\n]*)")
+_XML_CODE = re.compile(r"<Code>([^<]+)</Code>")
+_XML_MESSAGE = re.compile(r"<Message>([^<\n]+)")
+_JSON_MESSAGE = re.compile(r'"message"\s*:\s*"([^"]+)"')
+_RETRIES = re.compile(r"\bretries: (\d+)")
+_MISSING_CONTAINER = ("NoSuchBucket", "ContainerNotFound", "bucket does not exist", "no bucket named")
+
+
+def _status(e: BaseException) -> int | None:
+    m = _STATUS.search(str(e))
+    return int(m.group(1)) if m else None
+
+
+def _retries(e: BaseException) -> int:
+    m = _RETRIES.search(str(e))
+    return int(m.group(1)) if m else 0
+
+
+def _is_missing_object(e: BaseException) -> bool:
+    """A 404 for the object itself, as opposed to a missing bucket or container."""
+    from obstore.exceptions import NotFoundError
+
+    text = str(e)
+    return (isinstance(e, NotFoundError) or isinstance(e, FileNotFoundError)) and not any(s in text for s in _MISSING_CONTAINER)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    summary = text.split("\n\nDebug source:")[0]
+    m = _STATUS.search(summary)
+    if m:
+        cause = f"HTTP {m.group(1)}{m.group(2).rstrip()}"
+        code, msg = _XML_CODE.search(text), _XML_MESSAGE.search(text) or _JSON_MESSAGE.search(text)
+        detail = ": ".join(x.group(1).strip() for x in (code, msg) if x)
+        if detail:
+            cause += f" ({detail})"
+    else:  # no answer from the server: connection refused/reset, timeout, DNS, TLS
+        first = summary.strip().splitlines()[0] if summary.strip() else type(e).__name__
+        cause = first if len(first) <= 400 else first[:400] + "..."
+    n = _retries(e)
+    if n:
+        cause += f", after {n} retries"
+    return cause
+
+
+def _hint(e: BaseException) -> str:
+    from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
+
+    text = str(e)
+    if any(s in text for s in _MISSING_CONTAINER):
+        return "; the bucket (container) does not exist"
+    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or _status(e) in (401, 403):
+        return "; check the credentials and their permissions on this bucket and prefix"
+    return ""
