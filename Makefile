@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-plan clean
+.PHONY: demo demo-reshard test lint bench-plan clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) examples/train_demo.py
+
+demo-reshard: $(STAMP)
 	$(PY) examples/reshard_demo.py
 
 test: $(STAMP)

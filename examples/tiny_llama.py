@@ -130,9 +130,12 @@ class Transformer(nn.Module):
 
 
 def batch(cfg: LlamaConfig, step: int, batch_size: int = 4, seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same (inputs, labels) for ``step`` in every process."""
+    """The same (inputs, labels) for ``step`` in every process: learnable sequences, each a random
+    start token followed by steps of a random stride (mod the vocabulary)."""
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), generator=g)
+    start = torch.randint(0, cfg.vocab_size, (batch_size, 1), generator=g)
+    stride = torch.randint(1, 8, (batch_size, 1), generator=g)
+    tokens = (start + stride * torch.arange(seq_len + 1)) % cfg.vocab_size
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -145,7 +148,7 @@ def data_parallel_coords(kind: str, rank: int, world_size: int) -> tuple[int, in
     return rank, world_size
 
 
-def train(model: nn.Module, optim: torch.optim.Optimizer, cfg: LlamaConfig, steps: range, kind: str, *, global_batch: int = 8, split_batch: bool = True) -> list[float]:
+def train(model: nn.Module, optim: torch.optim.Optimizer, cfg: LlamaConfig, steps: range, kind: str, *, global_batch: int = 8, seq_len: int = 32, split_batch: bool = True) -> list[float]:
     """Train on steps ``steps``; returns the global-batch loss of each step (the same on every rank).
 
     With ``split_batch`` each data-parallel rank takes its slice of the global batch (real data
@@ -158,7 +161,7 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, cfg: LlamaConfig, step
     dp_rank, dp_size = data_parallel_coords(kind, rank, ws) if split_batch else (0, 1)
     losses = []
     for step in steps:
-        x, y = batch(cfg, step, batch_size=global_batch)
+        x, y = batch(cfg, step, batch_size=global_batch, seq_len=seq_len)
         per = global_batch // dp_size
         x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
         loss = loss_fn(model(x), y)
