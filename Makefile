@@ -21,7 +21,7 @@ demo-reshard: $(STAMP)
 	$(PY) examples/reshard_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --dist loadgroup tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

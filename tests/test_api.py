@@ -23,6 +23,9 @@ from .distributed import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
+# one worker runs the whole module, so its module-scoped checkpoints are made once
+pytestmark = pytest.mark.xdist_group("api_matrix")
+
 TOPOLOGIES = [("plain", 1), ("ddp", 2), ("fsdp2", 2), ("fsdp2", 4), ("hsdp", 4), ("tp", 2), ("fsdp2_tp", 4), ("fsdp1", 2)]
 # destinations whose forward/backward runs in the reference's float order (logits and a
 # gradient step are bit-exact there); the others split reductions and match to rounding

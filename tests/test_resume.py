@@ -13,6 +13,9 @@ from .distributed import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
+# one worker runs the whole module, so its module-scoped checkpoints are made once
+pytestmark = pytest.mark.xdist_group("resume")
+
 K, SAVE_AT = 6, 3
 
 
