@@ -140,8 +140,8 @@ def unshard_optim_state(
     collective at all. Only optimizer state is read.
     """
     flat = Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix="optim.")
-    if not flat:
-        return {}
+    if not flat and rank0_only and get_comm(no_dist).rank != 0:
+        return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
     groups = flat.pop(GROUPS_KEY[len("optim.") :], None)
     if groups is None:
         raise CheckpointError(f"{dir}: no optimizer state in the checkpoint (no {GROUPS_KEY!r})")

@@ -98,7 +98,7 @@ def optim_targets(
     stored_groups = meta.objects.get(GROUPS_KEY)
     if not isinstance(stored_groups, list):
         raise CheckpointError(f"{where}: no optimizer state in the checkpoint (no {GROUPS_KEY!r}); was it saved with an optimizer?")
-    _check_groups(stored_groups, [[i.fqn for i, _ in g] for g in named], where)
+    _check_groups(stored_groups, [[i.fqn for i, _ in g] for g in named], where, strict=strict)
     fqns = {info.fqn for g in named for info, _ in g}
     stored: dict[str, dict[str, str]] = {}  # fqn -> state name -> key
     for key in [*meta.tensors, *meta.objects, *meta.pickled_objects]:
@@ -178,19 +178,22 @@ def _target(current: Any, shape: tuple[int, ...], dtype: torch.dtype, info: Para
     return torch.empty_like(p.detach(), dtype=dtype)
 
 
-def _check_groups(stored: list, current: list[list[str]], where: str) -> None:
+def _check_groups(stored: list, current: list[list[str]], where: str, *, strict: bool) -> None:
+    """Each group of the optimizer must hold the parameters of the checkpoint's group of the same
+    index; parameters only in the checkpoint's group are refused only when ``strict``."""
     if len(stored) != len(current):
         raise CheckpointError(
             f"{where}: checkpoint has {len(stored)} optimizer param group(s), the optimizer has {len(current)}"
         )
     for gi, (s, c) in enumerate(zip(stored, current)):
         saved = set(s.get("params", [])) if isinstance(s, dict) else set()
-        if saved != set(c):
-            missing, extra = sorted(set(c) - saved), sorted(saved - set(c))
+        missing, extra = sorted(set(c) - saved), sorted(saved - set(c))
+        if missing or (extra and strict):
             raise CheckpointError(
                 f"{where}: optimizer param group {gi} differs from the checkpoint's: parameters only in the "
                 f"optimizer {missing[:5]}{'...' if len(missing) > 5 else ''}, only in the checkpoint "
                 f"{extra[:5]}{'...' if len(extra) > 5 else ''}"
+                + ("" if missing else " (pass validate=False to ignore parameters only in the checkpoint)")
             )
 
 
