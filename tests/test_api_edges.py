@@ -84,7 +84,7 @@ def _expected_keys(opt):
     names = [n for n, _ in _model().named_parameters()]
     keys = {f"model.{n}" for n in _plain_names()}
     keys |= {f"optim.state.{n}.{s}" for n in names for s in state}
-    return keys | {"optim.param_groups"}
+    return keys | {"optim.param_groups", "optim.class"}
 
 
 def _local(t):
@@ -163,7 +163,7 @@ def test_stored_names_plain_have_no_ids_or_pickle(tmp_path):
     ]
     assert [g["lr"] for g in groups] == [2e-4, 4e-4] and groups[0]["betas"] == [0.8, 0.99]
     raw = json.loads((tmp_path / "metadata.json").read_text())
-    assert set(raw["objects"]) == {"optim.param_groups"} and not raw.get("pickled_objects")
+    assert set(raw["objects"]) == {"optim.param_groups", "optim.class"} and not raw.get("pickled_objects")
 
 
 # --- 3. buffers -----------------------------------------------------------------------------
@@ -347,6 +347,19 @@ def test_optimizer_into_checkpoint_without_one(tmp_path):
         shardsafe.unshard_optim_state(str(tmp_path))
     shardsafe.load_model_and_optim_state(str(tmp_path), model2)  # the model alone loads
     _assert_same(model2.state_dict(), model.state_dict(), True, "model only")
+
+
+def test_optimizer_of_another_class(saved):
+    path, _ = saved  # AdamW state
+    model = _model(seed=7)
+    sgd = _optim(model, "sgd")
+    with pytest.raises(
+        shardsafe.CheckpointError,
+        match=r"holds the state of a torch\.optim\.adamw\.AdamW optimizer, the target is a torch\.optim\.sgd\.SGD",
+    ):
+        shardsafe.load_model_and_optim_state(path, model, sgd)
+    assert not sgd.state and sgd.param_groups[0]["lr"] == 1e-2  # untouched
+    assert shardsafe.Checkpointer().get_metadata(path).objects["optim.class"] == "torch.optim.adamw.AdamW"
 
 
 def test_optimizer_with_a_foreign_parameter(saved, tmp_path):

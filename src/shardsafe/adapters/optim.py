@@ -23,10 +23,15 @@ from ..errors import CheckpointError, ShapeMismatchError, ShardingError
 from ..format.metadata import StorageMetadata
 from .modules import ParamInfo
 
-__all__ = ["GROUPS_KEY", "STATE_PREFIX", "optim_state", "optim_targets", "split_state_key"]
+__all__ = ["CLASS_KEY", "GROUPS_KEY", "STATE_PREFIX", "optim_state", "optim_targets", "split_state_key"]
 
 STATE_PREFIX = "optim.state."
 GROUPS_KEY = "optim.param_groups"
+CLASS_KEY = "optim.class"
+
+
+def _class_name(optim: torch.optim.Optimizer) -> str:
+    return f"{type(optim).__module__}.{type(optim).__qualname__}"
 
 
 def _named(optim: torch.optim.Optimizer, params: list[ParamInfo]) -> list[list[tuple[ParamInfo, torch.Tensor]]]:
@@ -74,6 +79,7 @@ def optim_state(optim: torch.optim.Optimizer, params: list[ParamInfo]) -> dict[s
         hp["params"] = [info.fqn for info, _ in named]
         groups.append(hp)
     out[GROUPS_KEY] = groups
+    out[CLASS_KEY] = _class_name(optim)
     return out
 
 
@@ -98,6 +104,12 @@ def optim_targets(
     stored_groups = meta.objects.get(GROUPS_KEY)
     if not isinstance(stored_groups, list):
         raise CheckpointError(f"{where}: no optimizer state in the checkpoint (no {GROUPS_KEY!r}); was it saved with an optimizer?")
+    stored_class = meta.objects.get(CLASS_KEY)
+    if strict and stored_class is not None and stored_class != _class_name(optim):
+        raise CheckpointError(
+            f"{where}: the checkpoint holds the state of a {stored_class} optimizer, the target is a "
+            f"{_class_name(optim)}; its state and hyper-parameters would not fit (pass validate=False to load it anyway)"
+        )
     _check_groups(stored_groups, [[i.fqn for i, _ in g] for g in named], where, strict=strict)
     fqns = {info.fqn for g in named for info, _ in g}
     stored: dict[str, dict[str, str]] = {}  # fqn -> state name -> key
