@@ -21,6 +21,7 @@ An ``http://`` endpoint turns on plain HTTP for that store; nothing else does.
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -242,8 +243,15 @@ def _gcs_config(opts: ObjectStoreOptions, config: dict[str, Any], endpoint: str 
     if endpoint is None and emulator:
         endpoint = emulator if "://" in emulator else f"http://{emulator}"
         has_creds = bool(opts.credentials) or any(v in env for v in _GCS_CREDENTIAL_VARS)
-        if not has_creds:
-            config["skip_signature"] = True  # emulators take anonymous requests; never ask a metadata server
+        if not has_creds:  # emulators take anonymous requests; never ask a metadata server for a token
+            # (obstore 0.12's GCS client ignores skip_signature; a key with disable_oauth is the way)
+            config["service_account_key"] = json.dumps(
+                {"disable_oauth": True, "gcs_base_url": endpoint, "client_email": "", "private_key": "", "private_key_id": ""}
+            )
+    if "GOOGLE_BEARER_TOKEN" in env and not opts.credentials:
+        config["bearer_token"] = env["GOOGLE_BEARER_TOKEN"]  # documented by obstore, not read from the environment by 0.12
+    if endpoint is None:
+        endpoint = env.get("GOOGLE_BASE_URL")
     if endpoint:
         config["base_url"] = endpoint.rstrip("/")
     return endpoint

@@ -178,7 +178,7 @@ class ObjectStorage:
         try:
             data = memoryview(obstore.get_range(self._store, name, start=start, length=length))
         except Exception as e:
-            if _status(e) == 416:
+            if _status(e) == 416 or _PAST_END.search(str(e)):
                 raise self._truncated(name, offset, want) from None
             if _is_missing_object(e):
                 raise CorruptCheckpointError(f"{self.url}/{name}: data file named in the metadata is missing") from None
@@ -270,6 +270,7 @@ _XML_CODE = re.compile(r"<Code>([^<]+)</Code>")
 _XML_MESSAGE = re.compile(r"<Message>([^<\n]+)")
 _JSON_MESSAGE = re.compile(r'"message"\s*:\s*"([^"]+)"')
 _RETRIES = re.compile(r"\bretries: (\d+)")
+_PAST_END = re.compile(r"Wanted range starting at \d+, but object was only \d+ bytes long")  # the client's own check
 _MISSING_CONTAINER = ("NoSuchBucket", "ContainerNotFound", "bucket does not exist", "no bucket named")
 
 
