@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 import shardsafe
 from shardsafe.engine.buffers import byte_view
+from shardsafe.storage.local import _sync_file_range as sync_file_range
 
 from .states import locals_of
 
-_BLOCK = 64 << 20
+_BLOCK = 16 << 20
 _THREADS = 4
 
 SaveFn = Callable[[dict, str], None]
@@ -86,7 +87,11 @@ def save_safetensors(state: dict, path: str) -> None:
     _fsync_path(path)
 
 
-def _save_raw(threads: int) -> SaveFn:
+def _save_raw(threads: int, writeback: int = 0) -> SaveFn:
+    """Write the rank's tensor bytes back to back with ``threads`` threads, fsync. With
+    ``writeback``, start writing back every that many bytes (``sync_file_range``), as
+    shardsafe's local storage does, so the limit knows that trick too."""
+
     def save(state: dict, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         name = _rank_file(path, "bin")
@@ -99,8 +104,12 @@ def _save_raw(threads: int) -> SaveFn:
                     jobs.append((part, pos))
                     pos += part.nbytes
             if threads == 1:
+                synced = 0
                 for part, at in jobs:
                     _pwrite_all(fd, part, at)
+                    if writeback and sync_file_range and at + part.nbytes - synced >= writeback:
+                        sync_file_range(fd, synced, at + part.nbytes - synced)
+                        synced = at + part.nbytes
             else:
                 with ThreadPoolExecutor(threads) as pool:
                     list(pool.map(lambda j: _pwrite_all(fd, *j), jobs))
@@ -126,8 +135,9 @@ SAVES: dict[str, SaveFn] = {
     "safetensors": save_safetensors,
     "raw": _save_raw(1),
     "raw-mt": _save_raw(_THREADS),
+    "raw-wb": _save_raw(1, 16 << 20),
 }
-LIMIT_SAVES = ("raw", "raw-mt")
+LIMIT_SAVES = ("raw", "raw-mt", "raw-wb")
 DCP_SAVES = ("dcp", "dcp-t4")
 
 # ---------------------------------------------------------------- load (in place)

@@ -72,8 +72,7 @@ class Checkpointer:
             _check_targets(meta, tensors, list(objects), storage.url)
             values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=self.allow_pickle, where=storage.url)
             with Reader(storage, self.knobs) as reader:
-                for t in tensors:
-                    reader.load_tensor(meta.tensors[t.key], t)
+                reader.load_tensors((meta.tensors[t.key], t) for t in tensors)
             return values
 
         state_dict.update(comm.check(run))

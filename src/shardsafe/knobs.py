@@ -18,13 +18,15 @@ _TABLE: dict[str, tuple[int, str]] = {
     "io_threads": (4, "threads per rank that read byte ranges concurrently"),
     "read_buffer_bytes": (64 * _MiB, "bound on scratch memory per read batch (bytes)"),
     "coalesce_gap_bytes": (4096, "byte gap under which two ranged reads become one"),
-    "write_block_bytes": (64 * _MiB, "largest single write call when streaming a chunk (bytes)"),
+    "write_block_bytes": (16 * _MiB, "largest single write call when streaming a chunk; the checksum of one block overlaps the write of the previous (bytes)"),
     "replica_split_bytes": (16 * _MiB, "replicated tensors larger than this are split across replicas"),
     "object_part_bytes": (16 * _MiB, "object stores: multipart upload part size (bytes, at least 5 MiB)"),
     "object_get_bytes": (8 * _MiB, "object stores: largest single ranged GET; larger reads are split (bytes)"),
     "object_concurrency": (8, "object stores: parts in flight per uploaded file, ranged GETs in flight per rank"),
     "object_max_retries": (10, "object stores: retries of a request that failed with 5xx, throttling or a reset"),
     "object_retry_timeout_s": (180, "object stores: no retry starts later than this after the first try (seconds)"),
+    "writeback_bytes": (16 * _MiB, "local files: start writing back every this many bytes written (sync_file_range), so the final fsync has little left; 0: off"),
+    "read_block_bytes": (8 * _MiB, "in-place reads larger than this are split into blocks read concurrently while the checksum runs (bytes)"),
 }
 
 
@@ -41,6 +43,8 @@ class Knobs:
     object_concurrency: int = _TABLE["object_concurrency"][0]
     object_max_retries: int = _TABLE["object_max_retries"][0]
     object_retry_timeout_s: int = _TABLE["object_retry_timeout_s"][0]
+    writeback_bytes: int = _TABLE["writeback_bytes"][0]
+    read_block_bytes: int = _TABLE["read_block_bytes"][0]
 
     @classmethod
     def from_env(cls) -> Knobs:

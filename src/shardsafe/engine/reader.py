@@ -1,16 +1,22 @@
 """Load execution: read plans run as ranged reads, straight into target memory where possible.
 
-One tensor at a time; its read items run on a small thread pool. An item whose source bytes
-are contiguous and whose target is contiguous CPU memory is read in place (``preadv`` into the
-tensor). Otherwise the bytes go through a per-thread scratch buffer, bounded by
-``read_buffer_bytes / io_threads``, and are copied into the target view. Strided source boxes
-are read as one span when the gaps are small (``coalesce_gap_bytes``), else run by run.
+Read items run on a small thread pool. An item whose source bytes are contiguous and whose
+target is contiguous CPU memory is read in place (``preadv`` into the tensor); when it is
+larger than ``read_block_bytes`` its blocks are read concurrently while the calling thread
+chains the checksum over the blocks already read. Otherwise the bytes go through a per-thread
+scratch buffer, bounded by ``read_buffer_bytes / io_threads``, and are copied into the target
+view. Strided source boxes are read as one span when the gaps are small
+(``coalesce_gap_bytes``), else run by run. :meth:`Reader.load_tensors` keeps reads of later
+tensors going while earlier ones are checked.
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from math import prod
 
 import torch
@@ -27,6 +33,16 @@ from .buffers import Scratch, byte_view, can_read_into
 
 __all__ = ["Reader"]
 
+_WINDOW = 64  # jobs in flight in load_tensors (in-place reads need no memory; scratch is per thread)
+
+
+@dataclass(slots=True)
+class _Pending:
+    target: LocalTensor
+    parts: list[ReadItem]
+    views: list[memoryview]  # in-place blocks, checksummed by _finish; empty for a whole job
+    futures: list[Future] = field(default_factory=list)
+
 
 class Reader:
     """Fills targets from one checkpoint location. Use as a context manager."""
@@ -36,6 +52,7 @@ class Reader:
         self.threads = knobs.io_threads if num_threads is None else num_threads
         self.budget = max(knobs.read_buffer_bytes // max(self.threads, 1), 1 << 20)
         self.gap = knobs.coalesce_gap_bytes
+        self.block = max(knobs.read_block_bytes, 1 << 16)
         self.scratch = Scratch()
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self.bytes_read = 0  # bytes fetched from storage, over-reads of coalesced gaps included
@@ -52,6 +69,32 @@ class Reader:
 
     def load_tensor(self, meta: TensorStorageMetadata, target: LocalTensor) -> None:
         """Fill every piece of ``target`` from the stored chunks in ``meta``."""
+        self.load_tensors([(meta, target)])
+
+    def load_tensors(self, pairs: Iterable[tuple[TensorStorageMetadata, LocalTensor]]) -> None:
+        """Fill every target from its stored chunks; all are complete (or an error raised) on return.
+
+        Reads of later targets go on while the checksums of earlier ones are computed; at most
+        about ``_WINDOW`` jobs are in flight. On an error, reads already started finish (they
+        write into target memory) before it is raised.
+        """
+        pending: deque[_Pending] = deque()
+        try:
+            for meta, target in pairs:
+                for job in self._plan(meta, target):
+                    pending.append(self._start(job, target))
+                    while len(pending) > _WINDOW:
+                        self._finish(pending.popleft())
+            while pending:
+                self._finish(pending.popleft())
+        except BaseException:
+            futures = [f for p in pending for f in p.futures]
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
+
+    def _plan(self, meta: TensorStorageMetadata, target: LocalTensor) -> list[list[ReadItem]]:
         items, covered = plan_reads(StoredIndex(meta), target.pieces)
         for (off, lens, flat), got in zip(target.pieces, covered):
             need = prod(lens) if flat is None else flat[1] - flat[0]
@@ -61,16 +104,61 @@ class Reader:
                     f"{list(off)} shape {list(lens)}; its chunks do not tile the tensor"
                 )
         itemsize = target.dtype.itemsize
-        jobs = [self._split(item, itemsize, target) for item in items]
+        return [self._split(item, itemsize, target) for item in items]
+
+    def _start(self, parts: list[ReadItem], target: LocalTensor) -> _Pending:
+        """Start one job: in-place blocks on the pool (checksum later, here), else the whole job."""
+        itemsize = target.dtype.itemsize
+        if self.pool is None:
+            return _Pending(target, parts, [], self._done(self._run_job, parts, itemsize, target))
+        if len(parts) == 1:
+            item = parts[0]
+            dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
+            n_runs, run_elems, first, _ = _src_runs(item)
+            nbytes = run_elems * itemsize
+            if n_runs == 1 and nbytes > self.block and can_read_into(dst):
+                buf = byte_view(dst)
+                offset = item.src_start + first * itemsize
+                views = [buf[pos : pos + self.block] for pos in range(0, nbytes, self.block)]
+                futures = [
+                    self.pool.submit(self.storage.read_into, item.file, offset + i * self.block, [v])
+                    for i, v in enumerate(views)
+                ]
+                return _Pending(target, parts, views, futures)
+        return _Pending(target, parts, [], [self.pool.submit(self._run_job, parts, itemsize, target)])
+
+    @staticmethod
+    def _done(fn, *args) -> list[Future]:
+        f: Future = Future()
         try:
-            if self.pool is None or len(jobs) < 2:
-                for job in jobs:
-                    self._run_job(job, itemsize, target)
-            else:
-                for f in [self.pool.submit(self._run_job, job, itemsize, target) for job in jobs]:
-                    f.result()
+            f.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - raised by _finish, in order
+            f.set_exception(e)
+        return [f]
+
+    def _finish(self, p: _Pending) -> None:
+        """Wait for one job; for in-place blocks, chain and check the checksum here."""
+        try:
+            if not p.views:
+                p.futures[0].result()
+                return
+            item = p.parts[0]
+            crc = 0
+            for view, f in zip(p.views, p.futures):
+                f.result()
+                if item.crc32c is not None:
+                    crc = crc32c(view, crc)
+            self._count(sum(v.nbytes for v in p.views))
+            if item.crc32c is not None and crc != item.crc32c:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in chunk {item.chunk}: stored crc32c {item.crc32c:#010x}, read {crc:#010x}; the file is damaged"
+                )
         except CorruptCheckpointError as e:  # storage and checksum errors know the file, not the key
-            raise CorruptCheckpointError(f"key {target.key!r}: {e}") from None
+            wait(p.futures)
+            raise CorruptCheckpointError(f"key {p.target.key!r}: {e}") from None
+        except BaseException:
+            wait(p.futures)  # blocks still being read write into the target: let them end first
+            raise
 
     def _count(self, n: int) -> None:
         with self._count_lock:

@@ -11,7 +11,9 @@ Call order (every rank calls :func:`save_state` together):
 from __future__ import annotations
 
 import logging
+import queue
 import re
+import threading
 import uuid
 from typing import Any
 
@@ -112,12 +114,17 @@ def _check_tensor_or_value(gathered: list) -> None:
 
 
 def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTensor], knobs: Knobs) -> list[int]:
-    """Write this rank's data file; returns the CRC32C of each item, in order."""
+    """Write this rank's data file; returns the CRC32C of each item, in order.
+
+    Blocks go to a write-behind thread, so the checksum of one block (and the device-to-host
+    copy of the next item) overlaps the write of the one before.
+    """
     if plan.file is None:
         return []
     crcs = []
-    with storage.write_file(plan.file) as out:
-        out.write(memoryview(plan.header))
+    block = max(knobs.write_block_bytes, 1)
+    with storage.write_file(plan.file) as out, _WriteBehind(out) as behind:
+        behind.write(memoryview(plan.header))
         for item in plan.items:
             lt = local[item.key]
             view = lt.views[item.piece_index]
@@ -136,13 +143,54 @@ def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTen
                     f"key {item.key!r}: chunk {item.name!r} has {mv.nbytes} bytes, the plan expected {expected}"
                 )
             crc = 0
-            block = max(knobs.write_block_bytes, 1)
             for pos in range(0, mv.nbytes, block):
                 part = mv[pos : pos + block]
+                behind.write(part)  # the view keeps ``data`` alive until it is written
                 crc = crc32c(part, crc)
-                out.write(part)
             crcs.append(crc)
     return crcs
+
+
+class _WriteBehind:
+    """Hands blocks to one thread that appends them to ``out`` in order.
+
+    At most ``depth`` blocks wait at a time (they are views on tensor memory, or on a host
+    copy that they keep alive). The first write error is raised by the next :meth:`write` or
+    on exit; after an error the thread only drains the queue.
+    """
+
+    def __init__(self, out, depth: int = 4) -> None:
+        self._out = out
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="shardsafe-write", daemon=True)
+
+    def __enter__(self) -> _WriteBehind:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            data = self._queue.get()
+            if data is None:
+                return
+            if self._error is None:
+                try:
+                    self._out.write(data)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                    self._error = e
+
+    def write(self, data: memoryview) -> None:
+        if self._error is not None:
+            raise self._error
+        if data.nbytes:
+            self._queue.put(data)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if exc_type is None and self._error is not None:
+            raise self._error
 
 
 def _build_metadata(plan: SavePlan, crcs: list[list[int]], objects: tuple[dict[str, Any], dict[str, str]]) -> StorageMetadata:

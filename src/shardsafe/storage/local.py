@@ -4,30 +4,71 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import CorruptCheckpointError, StorageError
+from ..knobs import KNOBS, Knobs
 from .base import check_name
 
 __all__ = ["LocalStorage"]
 
 
 class _FileWriter:
-    def __init__(self, fd: int) -> None:
+    """Appends to ``fd``; every ``writeback`` bytes, starts writing the new pages back to disk.
+
+    Without that, a file of several GiB sits dirty in the page cache until the final fsync,
+    which then writes all of it while nothing else happens (and the kernel may throttle the
+    writes meanwhile); starting writeback early overlaps the disk with the copying. The
+    final fsync is still what makes the file durable.
+    """
+
+    def __init__(self, fd: int, writeback: int = 0) -> None:
         self._fd = fd
+        self._writeback = writeback if _sync_file_range is not None else 0
+        self._pos = 0
+        self._synced = 0  # writeback started for [0, _synced)
 
     def write(self, data: memoryview) -> None:
         view = memoryview(data).cast("B")
         while view.nbytes:
             n = os.write(self._fd, view)
             view = view[n:]
+            self._pos += n
+        if self._writeback and self._pos - self._synced >= self._writeback:
+            _sync_file_range(self._fd, self._synced, self._pos - self._synced)  # type: ignore[misc]
+            self._synced = self._pos
+
+
+def _load_sync_file_range():
+    """``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)`` from libc (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+
+    def start(fd: int, offset: int, nbytes: int) -> None:
+        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure here is only a lost hint
+
+    return start
+
+
+_sync_file_range = _load_sync_file_range()
 
 
 class LocalStorage:
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, knobs: Knobs | None = None) -> None:
+        self._writeback = (knobs or KNOBS).writeback_bytes
         self.root = os.path.abspath(root)
         self.url = self.root
         self._fds: dict[str, int] = {}
@@ -53,7 +94,7 @@ class LocalStorage:
             raise StorageError(f"{path}: cannot create data file: {e.strerror}") from e
         ok = False
         try:
-            yield _FileWriter(fd)
+            yield _FileWriter(fd, self._writeback)
             os.fsync(fd)
             ok = True
         except OSError as e:

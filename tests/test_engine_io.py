@@ -1,0 +1,146 @@
+"""The engine's I/O pipelines: write-behind saves, block-parallel in-place loads, early writeback.
+
+Small blocks and buffers make every path run many times on small tensors; the results must be
+bit-exact, and every failure (a checksum, a short file, a failing write) must surface once, named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import re
+
+import pytest
+import torch
+
+from shardsafe import Checkpointer, CorruptCheckpointError, ShardedTensor, StorageError
+from shardsafe.adapters import describe_state
+from shardsafe.engine.reader import Reader
+from shardsafe.knobs import KNOBS
+from shardsafe.storage import local as local_storage
+from shardsafe.storage import open_storage
+
+_KiB = 1 << 10
+TINY = dataclasses.replace(KNOBS, write_block_bytes=64 * _KiB, read_block_bytes=64 * _KiB, io_threads=4, writeback_bytes=128 * _KiB)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _state(n: int = 40) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        rows = 1 + (i * 37) % 300
+        dtype = (torch.float32, torch.bfloat16, torch.int64, torch.float16)[i % 4]
+        out[f"t{i}"] = torch.randn(rows, 129, generator=g).mul(100).to(dtype)
+    out["big"] = torch.randn(700, 1000, generator=g)  # 2.7 MB: about 43 blocks of 64 KiB
+    return out
+
+
+@pytest.mark.parametrize("knobs", [TINY, dataclasses.replace(TINY, io_threads=1)], ids=["4-threads", "no-pool"])
+def test_many_blocks_round_trip_bit_exact(tmp_path, knobs):
+    src = _state()
+    d = str(tmp_path / "c")
+    Checkpointer(knobs=knobs).save(d, src)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    Checkpointer(knobs=knobs).load(d, dst)
+    for k in src:
+        assert torch.equal(_bits(dst[k]), _bits(src[k])), k
+
+
+def test_in_place_blocks_read_each_byte_once(tmp_path):
+    src = torch.randn(256, 1024)  # 1 MiB: 16 blocks of 64 KiB
+    d = str(tmp_path / "c")
+    Checkpointer().save(d, {"w": src})
+    meta = Checkpointer().get_metadata(d)
+    target = torch.zeros(256, 1024)
+    (lt,), _ = describe_state({"w": target})
+    with Reader(open_storage(d), TINY) as reader:
+        reader.load_tensor(meta.tensors["w"], lt)
+        assert reader.bytes_read == src.numel() * 4
+    assert torch.equal(target, src)
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_damaged_block_in_the_middle_of_a_chunk_is_caught(tmp_path):
+    d = str(tmp_path / "c")
+    src = _state(10)
+    Checkpointer().save(d, src)
+    file, spec = next(Checkpointer().get_metadata(d).tensors["big"].chunks())
+    _flip(os.path.join(d, file), spec.byte_range[0] + 20 * 64 * _KiB + 5)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    with pytest.raises(CorruptCheckpointError, match=rf"^key 'big': checksum mismatch in chunk {re.escape(file)}:"):
+        Checkpointer(knobs=TINY).load(d, dst)
+    del dst["big"]  # the other tensors still load
+    Checkpointer(knobs=TINY).load(d, dst)
+    assert all(torch.equal(_bits(dst[k]), _bits(src[k])) for k in dst)
+
+
+def test_truncated_file_under_block_reads_names_the_key(tmp_path):
+    d = str(tmp_path / "c")
+    Checkpointer().save(d, {"big": torch.randn(700, 1000)})
+    file, spec = next(Checkpointer().get_metadata(d).tensors["big"].chunks())
+    path = os.path.join(d, file)
+    os.truncate(path, spec.byte_range[0] + 10 * 64 * _KiB + 3)
+    with pytest.raises(CorruptCheckpointError, match=rf"^key 'big': {re.escape(path)}: truncated: needed bytes \["):
+        Checkpointer(knobs=TINY).load(d, {"big": torch.zeros(700, 1000)})
+
+
+def test_resharded_load_through_blocks_and_scratch(tmp_path):
+    full = torch.randn(96, 512)
+    d = str(tmp_path / "c")
+    # saved as 3 row blocks by 3 simulated ranks, loaded as column shards (scratch) and row shards (in place)
+    from .simulate import simulate_save
+
+    simulate_save(d, [{"m": ShardedTensor.from_rank_offsets("m", c.clone(), (0, r, 3))} for r, c in enumerate(full.chunk(3))])
+    for dim in (0, 1):
+        for r in range(2):
+            part = torch.zeros(full.chunk(2, dim=dim)[r].shape)
+            Checkpointer(knobs=TINY).load(d, {"m": ShardedTensor.from_rank_offsets("m", part, (dim, r, 2))})
+            assert torch.equal(part, full.chunk(2, dim=dim)[r])
+
+
+def test_a_failing_write_surfaces_once_and_leaves_no_file(tmp_path, monkeypatch):
+    real = local_storage._FileWriter.write
+    calls = []
+
+    def failing(self, data):
+        calls.append(data.nbytes)
+        if len(calls) == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    monkeypatch.setattr(local_storage._FileWriter, "write", failing)
+    d = tmp_path / "c"
+    with pytest.raises(StorageError, match=r"write failed: No space left on device"):
+        Checkpointer(knobs=TINY).save(str(d), _state(3))
+    assert not d.exists() or os.listdir(d) == []
+
+
+def test_writeback_is_started_over_consecutive_ranges(tmp_path, monkeypatch):
+    ranges = []
+    monkeypatch.setattr(local_storage, "_sync_file_range", lambda fd, off, n: ranges.append((off, n)))
+    d = str(tmp_path / "c")
+    Checkpointer(knobs=TINY).save(local_storage.LocalStorage(d, knobs=TINY), {"big": torch.randn(700, 1000)})
+    size = os.path.getsize(os.path.join(d, next(iter(Checkpointer().get_metadata(d).data_files()))))
+    assert ranges and all(n >= 128 * _KiB for _, n in ranges)
+    assert [off for off, _ in ranges] == [0] + [sum(n for _, n in ranges[:i]) for i in range(1, len(ranges))]
+    assert sum(n for _, n in ranges) <= size
+
+
+def test_writeback_off(tmp_path, monkeypatch):
+    ranges = []
+    monkeypatch.setattr(local_storage, "_sync_file_range", lambda fd, off, n: ranges.append((off, n)))
+    off = dataclasses.replace(TINY, writeback_bytes=0)
+    Checkpointer(knobs=off).save(local_storage.LocalStorage(str(tmp_path / "c"), knobs=off), {"big": torch.randn(700, 1000)})
+    assert ranges == []
