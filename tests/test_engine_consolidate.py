@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -182,31 +183,92 @@ def test_corrupt_chunk_fails_and_leaves_nothing(ckpt, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("o.safetensors")]
 
 
-def test_memory_is_one_reused_buffer_of_the_largest_tensor(tmp_path, monkeypatch):
-    """Every tensor is loaded into a view of one buffer whose size is the largest tensor's."""
-    sizes = [(300, 64), (1000, 128), (20, 20), (514, 7)]
-    g = torch.Generator().manual_seed(3)
-    full = {f"t{i}": torch.randn(s, generator=g) for i, s in enumerate(sizes)}
-    ranks = [
-        {k: ShardedTensor.from_rank_offsets(k, v.chunk(2)[r].clone(), (0, r, 2)) for k, v in full.items()} for r in range(2)
-    ]
-    d = str(tmp_path / "c")
-    simulate_save(d, ranks)
-    allocated = []
+def _spy_allocations(monkeypatch) -> list[int]:
+    allocated: list[int] = []
     real_empty = torch.empty
 
-    def spy_empty(*args, **kw):
+    def spy_empty(*args, **kw):  # counts the buffers consolidate allocates (not the reader's scratch)
         t = real_empty(*args, **kw)
-        allocated.append(t.numel() * t.element_size())
+        if sys._getframe(1).f_code.co_filename == consolidate.__file__:
+            allocated.append(t.numel() * t.element_size())
         return t
 
     monkeypatch.setattr(consolidate.torch, "empty", spy_empty)
-    small = dataclasses.replace(KNOBS, read_buffer_bytes=1 << 16, io_threads=2)
-    shardsafe.unshard_to_safetensors(d, tmp_path / "o.safetensors", knobs=small)
-    assert allocated == [1000 * 128 * 4]
+    return allocated
+
+
+_SIZES = [(300, 64), (1000, 128), (20, 20), (514, 8)]
+
+
+def _two_ranks(tmp_path, dims: list[int]) -> tuple[str, dict[str, torch.Tensor]]:
+    """The tensors of ``_SIZES``, tensor i saved by 2 ranks sharded on ``dims[i]``."""
+    g = torch.Generator().manual_seed(3)
+    full = {f"t{i}": torch.randn(s, generator=g) for i, s in enumerate(_SIZES)}
+    ranks = [
+        {
+            k: ShardedTensor.from_rank_offsets(k, v.chunk(2, dim=dims[i])[r].clone(), (dims[i], r, 2))
+            for i, (k, v) in enumerate(full.items())
+        }
+        for r in range(2)
+    ]
+    d = str(tmp_path / "c")
+    simulate_save(d, ranks)
+    return d, full
+
+
+_SMALL = dataclasses.replace(KNOBS, read_buffer_bytes=1 << 16, io_threads=2, write_block_bytes=1 << 16)
+
+
+@pytest.mark.parametrize(
+    "dims, want",
+    [
+        ([0, 0, 0, 0], [1 << 16] * 4 + [0]),  # row slabs: streamed through the ring of 4 blocks only
+        ([1, 1, 1, 1], [1000 * 128 * 4]),  # column shards: one buffer, the largest tensor
+        ([0, 1, 1, 0], [300 * 64 * 4 // 2] * 4 + [1000 * 128 * 4]),  # ring blocks no larger than a chunk
+        ([1, 0, 0, 1], [1 << 16] * 4 + [300 * 64 * 4]),
+    ],
+    ids=["rows", "columns", "mixed-large-columns", "mixed-small-columns"],
+)
+def test_memory_is_a_ring_of_blocks_plus_the_largest_tensor_not_in_rows(tmp_path, monkeypatch, dims, want):
+    d, full = _two_ranks(tmp_path, dims)
+    allocated = _spy_allocations(monkeypatch)
+    shardsafe.unshard_to_safetensors(d, tmp_path / "o.safetensors", knobs=_SMALL)
+    assert allocated == want
     got = load_file(str(tmp_path / "o.safetensors"))
     for k, v in full.items():
-        assert torch.equal(got[k], v)
+        assert torch.equal(got[k], v), k
+
+
+def test_damaged_row_chunk_is_caught_on_the_direct_path(tmp_path):
+    d, _ = _two_ranks(tmp_path, [0, 0, 0, 0])
+    meta = Checkpointer().get_metadata(d, no_dist=True)
+    file, spec = sorted(meta.tensors["t1"].chunks(), key=lambda c: c[1].global_offset)[1]
+    with open(os.path.join(d, file), "r+b") as f:
+        f.seek(spec.byte_range[1] - 1)
+        b = f.read(1)
+        f.seek(spec.byte_range[1] - 1)
+        f.write(bytes([b[0] ^ 0x80]))
+    with pytest.raises(
+        CorruptCheckpointError, match=rf"^key 't1': checksum mismatch in chunk {re.escape(file)}:{re.escape(spec.name)}: "
+    ):
+        shardsafe.unshard_to_safetensors(d, tmp_path / "o.safetensors", knobs=_SMALL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_flat_optimizer_ranges_take_the_direct_path(tmp_path, monkeypatch):
+    m = torch.randn(64, 33)
+    flat = m.reshape(-1)
+    cuts = [0, 100, 1000, 1001, flat.numel()]
+    ranks = [
+        {"m": ShardedTensor.from_rank_offsets_flat("m", flat[a:b].clone(), (64, 33), (0, 0, 1), flattened_range=slice(a, b))}
+        for a, b in zip(cuts, cuts[1:])
+    ]
+    d = str(tmp_path / "c")
+    simulate_save(d, ranks)
+    allocated = _spy_allocations(monkeypatch)
+    shardsafe.unshard_to_safetensors(d, tmp_path / "o.safetensors", knobs=_SMALL)
+    assert allocated[-1] == 0  # no whole-tensor buffer
+    assert torch.equal(load_file(str(tmp_path / "o.safetensors"))["m"], m)
 
 
 def test_empty_checkpoint_gives_a_valid_empty_file(tmp_path):

@@ -6,8 +6,10 @@ themselves get an explicit ``fsync``). Loads fill the given state in place: peer
 new tensors (``torch.load``, ``safetensors``) copy into it, as ``load_state_dict`` would.
 
 The limit methods move the same bytes with nothing else: ``raw`` writes each rank's tensor bytes
-back to back into one file and fsyncs it (``raw-mt``: with 4 threads at distinct offsets);
-``preadv`` reads them back into the already-allocated tensors (``preadv-mt``: 4 threads).
+back to back into one file and fsyncs it (``raw-mt``: with 4 threads at distinct offsets;
+``raw-wb``: starting writeback every 16 MiB with ``sync_file_range``, as shardsafe does);
+``preadv`` reads them back into the already-allocated tensors (``preadv-mt``: 4 threads);
+``raw-copy`` copies the raw files into one (with writeback).
 """
 
 from __future__ import annotations
@@ -250,8 +252,10 @@ def unshard_dcp(src: dict[str, str], out: str) -> None:
 
 
 def unshard_raw(src: dict[str, str], out: str) -> None:
-    """Copy the bytes of every ``raw`` rank file into one file through one 64 MiB buffer, fsync."""
+    """Copy the bytes of every ``raw`` rank file into one file through one buffer, starting
+    writeback every 16 MiB, fsync."""
     buf = memoryview(bytearray(_BLOCK))
+    synced = 0
     files = sorted(os.path.join(src["raw"], f) for f in os.listdir(src["raw"]) if f.endswith(".bin"))
     fd = os.open(out + ".bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -266,6 +270,9 @@ def unshard_raw(src: dict[str, str], out: str) -> None:
                         break
                     _pwrite_all(fd, buf[:n], at)
                     pos, at = pos + n, at + n
+                    if sync_file_range and at - synced >= _BLOCK:
+                        sync_file_range(fd, synced, at - synced)
+                        synced = at
             finally:
                 os.close(rfd)
         os.fsync(fd)

@@ -1,12 +1,14 @@
-"""Byte views on tensor memory, and reusable scratch buffers (first touch is costly: reuse)."""
+"""Byte views on tensor memory, reusable scratch buffers (first touch is costly: reuse), and a
+write-behind thread that overlaps writing with whatever the caller does next."""
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import torch
 
-__all__ = ["Scratch", "byte_view", "can_read_into"]
+__all__ = ["Scratch", "WriteBehind", "byte_view", "can_read_into"]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -35,3 +37,55 @@ class Scratch:
 
     def clear(self) -> None:
         self._local = threading.local()
+
+
+class WriteBehind:
+    """Hands blocks to one thread that appends them to ``out`` (a storage ``Writer``) in order.
+
+    :meth:`write` returns once the block is queued; at most ``depth`` blocks wait, so at most
+    ``depth + 1`` are outstanding (queued or being written): a caller that cycles through
+    ``depth + 2`` buffers never overwrites one still in use. Blocks are views on tensor memory
+    (or on a host copy, which they keep alive). The first write error is raised by the next
+    :meth:`write` or :meth:`flush`, or on exit; after an error the thread only drains the queue.
+    """
+
+    def __init__(self, out, depth: int = 4) -> None:
+        self._out = out
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="shardsafe-write", daemon=True)
+
+    def __enter__(self) -> WriteBehind:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            data = self._queue.get()
+            try:
+                if data is None:
+                    return
+                if self._error is None:
+                    self._out.write(data)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def write(self, data: memoryview) -> None:
+        if self._error is not None:
+            raise self._error
+        if data.nbytes:
+            self._queue.put(data)
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (so its buffer may be reused)."""
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if exc_type is None and self._error is not None:
+            raise self._error

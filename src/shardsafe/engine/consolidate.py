@@ -1,14 +1,21 @@
 """Streaming unshard: a whole checkpoint (or the keys under one prefix) into one safetensors file.
 
 Every shape and dtype is known from ``metadata.json``, so the output's header and layout are
-computed first and written before any tensor byte. Then tensors are filled one at a time, in
-file order, into one reused buffer the size of the largest tensor (loaded in place by the
-:class:`~shardsafe.engine.reader.Reader`, which checks every whole chunk's CRC32C), and written
-out. Peak memory is the largest tensor plus the reader's bounded scratch, whatever the total.
+computed first and written before any tensor byte; then the tensors follow in file order.
 
-The output is written to a temporary file beside ``out_path``, fsynced, and renamed into place
-(then the directory is fsynced): a crash leaves either no file or the complete one. Needs no
-process group; call it from one process.
+- A tensor whose every stored chunk is one contiguous run of the output (row slabs, as FSDP and
+  ``Shard(0)`` save them, and flat ranges of those) is copied chunk by chunk in blocks of
+  ``write_block_bytes`` through a ring of four such buffers: read, checksum, and hand to a
+  write-behind thread, so reading the next block overlaps writing the last.
+- Any other tensor (``Shard(1)``, 2-D grids, ...) is loaded whole by the
+  :class:`~shardsafe.engine.reader.Reader` into one buffer, reused for every such tensor, and
+  written from there.
+
+Peak memory is the ring (64 MiB at the default block size), plus the largest tensor of the
+second kind and the reader's bounded scratch if there is one. Every chunk read whole is checked
+against its CRC32C. The output is written to a temporary file beside ``out_path``, fsynced, and
+renamed into place (then the directory is fsynced): a crash leaves no file or the complete one.
+Needs no process group; call it from one process.
 """
 
 from __future__ import annotations
@@ -22,18 +29,23 @@ from typing import Any
 import torch
 
 from ..adapters import describe_state
-from ..errors import CheckpointError, CheckpointExistsError, MissingKeyError, StorageError
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, MissingKeyError, StorageError
+from ..format.checksum import crc32c
 from ..format.dtypes import SAFETENSORS_CODE
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..format.safetensors_file import FileEntry, layout_file
 from ..knobs import KNOBS, Knobs
+from ..planning.geometry import row_major_strides
 from ..storage import open_storage
-from .buffers import byte_view
+from ..storage.local import LocalStorage
+from .buffers import WriteBehind, byte_view
 from .reader import Reader
 
 __all__ = ["unshard_to_safetensors"]
 
 log = logging.getLogger(__name__)
+
+_RING = 4  # blocks of the direct copy: read, checksummed, queued, being written
 
 # Written into every output's ``__metadata__``: transformers refuses a safetensors file whose
 # metadata lacks a known "format".
@@ -56,8 +68,10 @@ def unshard_to_safetensors(
     ``__metadata__`` as JSON strings, under their (stripped) keys, next to ``"format": "pt"``;
     values stored with pickle are never unpickled and are left out (counted in the result).
 
-    Peak memory is about the largest selected tensor plus ``knobs.read_buffer_bytes``. Every whole
-    chunk read is checked against its CRC32C. The file appears atomically and durably (fsynced
+    Peak memory is four blocks of ``knobs.write_block_bytes`` (64 MiB by default) when every
+    chunk is a run of rows (as FSDP / ``Shard(0)`` saves them); tensors saved in other layouts
+    add the largest of them and ``knobs.read_buffer_bytes`` of scratch. Every chunk is checked
+    against its CRC32C. The file appears atomically and durably (fsynced
     temporary file, renamed); an existing ``out_path`` is replaced only with ``overwrite=True``.
     Needs no process group.
 
@@ -81,34 +95,52 @@ def unshard_to_safetensors(
     order = sorted(tensors, key=lambda name: (-tensors[name][1].torch_dtype.itemsize, name))
     entries = [_entry(name, tensors[name][1]) for name in order]
     layout = layout_file(entries, file_meta)
-    largest = max((e.nbytes for e in entries), default=0)
+    directs = {name: _direct_runs(tensors[name][1]) for name in order}
+    largest_other = max((e.nbytes for name, e in zip(order, entries) if directs[name] is None), default=0)
+    block = min(max(knobs.write_block_bytes, 1 << 16), max((r[2] for rs in directs.values() if rs for r in rs), default=0))
 
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.tmp-{uuid.uuid4().hex}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError as e:
-        raise StorageError(f"{tmp}: cannot create: {e.strerror}") from e
+    parent, base = os.path.split(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp_name = f"tmp-{uuid.uuid4().hex[:12]}-{base}"
+    tmp = os.path.join(parent, tmp_name)
+    dest = LocalStorage(parent, knobs=knobs)
     done = False
     try:
-        try:
-            _write_all(fd, memoryview(layout.header))
-            buf = torch.empty(largest, dtype=torch.uint8)  # reused for every tensor: pages fault in once
+        with dest.write_file(tmp_name) as w, WriteBehind(w, depth=_RING - 2) as behind:
+            behind.write(memoryview(layout.header))
+            ring = [torch.empty(block, dtype=torch.uint8) for _ in range(_RING if block else 0)]
+            slot = 0
+            buf = torch.empty(largest_other, dtype=torch.uint8)  # reused for every tensor not copied directly
             with Reader(storage, knobs) as reader:
                 for name, entry in zip(order, entries):
                     key, tm = tensors[name]
+                    runs = directs[name]
+                    if runs is not None:
+                        for file, start, nbytes, crc, chunk in runs:
+                            got = 0
+                            for pos in range(0, nbytes, block):
+                                view = byte_view(ring[slot][: min(block, nbytes - pos)])
+                                slot = (slot + 1) % _RING
+                                try:
+                                    storage.read_into(file, start + pos, [view])
+                                except CorruptCheckpointError as e:
+                                    raise CorruptCheckpointError(f"key {key!r}: {e}") from None
+                                got = crc32c(view, got)
+                                behind.write(view)
+                            if got != crc:
+                                raise CorruptCheckpointError(
+                                    f"key {key!r}: checksum mismatch in chunk {chunk}: stored crc32c {crc:#010x}, "
+                                    f"read {got:#010x}; the file is damaged"
+                                )
+                        continue
+                    behind.flush()  # the buffer's last tensor is written: reuse it
                     target = buf[: entry.nbytes].view(tm.torch_dtype).view(tm.shape)
                     (lt,), _ = describe_state({key: target})
                     reader.load_tensor(tm, lt)
-                    if entry.nbytes:
-                        _write_all(fd, byte_view(target), block=knobs.write_block_bytes)
-            os.fsync(fd)
-        except OSError as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise StorageError(f"{tmp}: write failed: {e.strerror}") from e
-        finally:
-            os.close(fd)
+                    mv = byte_view(target) if entry.nbytes else memoryview(b"")
+                    step = max(block, 1 << 24)
+                    for pos in range(0, mv.nbytes, step):
+                        behind.write(mv[pos : pos + step])
         _publish(tmp, out, overwrite=overwrite)
         done = True
     finally:
@@ -165,20 +197,33 @@ def _select(
     return tensors, values, skipped
 
 
+def _direct_runs(tm: TensorStorageMetadata) -> list[tuple[str, int, int, int, str]] | None:
+    """If every chunk of ``tm`` is one contiguous run of the row-major tensor: the chunks as
+    (file, byte start, bytes, crc32c, name) in output order. Else None."""
+    shape = tuple(tm.shape)
+    strides = row_major_strides(shape)
+    itemsize = tm.torch_dtype.itemsize
+    runs = []
+    for file, spec in tm.chunks():
+        n = spec.local_numel
+        if n == 0:
+            continue
+        off, lens = spec.global_offset, spec.local_shape
+        k = next((d for d, ln in enumerate(lens) if ln != 1), len(lens))
+        if any(lens[d] != shape[d] for d in range(k + 1, len(lens))):
+            return None  # the box skips part of a row: not one run
+        first = sum(o * s for o, s in zip(off, strides)) + (spec.flattened_range[0] if spec.flattened_range else 0)
+        runs.append((first, (file, spec.byte_range[0], n * itemsize, spec.crc32c, f"{file}:{spec.name}")))
+    runs.sort(key=lambda r: r[0])
+    return [r for _, r in runs]
+
+
 def _entry(name: str, tm: TensorStorageMetadata) -> FileEntry:
     dtype = tm.torch_dtype
     numel = 1
     for n in tm.shape:
         numel *= n
     return FileEntry(name, SAFETENSORS_CODE[dtype], tuple(tm.shape), numel * dtype.itemsize)
-
-
-def _write_all(fd: int, data: memoryview, block: int = 1 << 30) -> None:
-    view = data.cast("B") if data.format != "B" else data
-    block = max(block, 1)
-    while view.nbytes:
-        n = os.write(fd, view[:block])
-        view = view[n:]
 
 
 def _publish(tmp: str, out: str, *, overwrite: bool) -> None:

@@ -11,9 +11,7 @@ Call order (every rank calls :func:`save_state` together):
 from __future__ import annotations
 
 import logging
-import queue
 import re
-import threading
 import uuid
 from typing import Any
 
@@ -26,7 +24,7 @@ from ..format.metadata import METADATA_FILENAME, StorageMetadata, TensorShardSpe
 from ..knobs import Knobs
 from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name, plan_save
 from ..storage import Storage
-from .buffers import byte_view
+from .buffers import WriteBehind, byte_view
 from .objects import encode_objects, merge_rank_objects
 
 __all__ = ["save_state"]
@@ -123,7 +121,7 @@ def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTen
         return []
     crcs = []
     block = max(knobs.write_block_bytes, 1)
-    with storage.write_file(plan.file) as out, _WriteBehind(out) as behind:
+    with storage.write_file(plan.file) as out, WriteBehind(out) as behind:
         behind.write(memoryview(plan.header))
         for item in plan.items:
             lt = local[item.key]
@@ -149,48 +147,6 @@ def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTen
                 crc = crc32c(part, crc)
             crcs.append(crc)
     return crcs
-
-
-class _WriteBehind:
-    """Hands blocks to one thread that appends them to ``out`` in order.
-
-    At most ``depth`` blocks wait at a time (they are views on tensor memory, or on a host
-    copy that they keep alive). The first write error is raised by the next :meth:`write` or
-    on exit; after an error the thread only drains the queue.
-    """
-
-    def __init__(self, out, depth: int = 4) -> None:
-        self._out = out
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="shardsafe-write", daemon=True)
-
-    def __enter__(self) -> _WriteBehind:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while True:
-            data = self._queue.get()
-            if data is None:
-                return
-            if self._error is None:
-                try:
-                    self._out.write(data)
-                except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                    self._error = e
-
-    def write(self, data: memoryview) -> None:
-        if self._error is not None:
-            raise self._error
-        if data.nbytes:
-            self._queue.put(data)
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        if exc_type is None and self._error is not None:
-            raise self._error
 
 
 def _build_metadata(plan: SavePlan, crcs: list[list[int]], objects: tuple[dict[str, Any], dict[str, str]]) -> StorageMetadata:
