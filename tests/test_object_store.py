@@ -249,6 +249,31 @@ def test_every_api_works_on_a_url_configured_by_the_environment(object_cloud, cl
     assert report.bytes == 300 * 70 * 4 + 64 * 2
 
 
+def test_model_and_optimizer_functions_and_export_take_an_object_store(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    c = cloud("s3")
+    storage = _open(c)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 8)).sum().backward()
+    optim.step()
+    shardsafe.save_model_and_optim_state(storage, model, optim)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    shardsafe.load_model_and_optim_state(storage, fresh, fresh_optim)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(_bytes(a), _bytes(b))
+    for a, b in zip(optim.state.values(), fresh_optim.state.values()):
+        assert torch.equal(_bytes(a["exp_avg_sq"]), _bytes(b["exp_avg_sq"]))
+    out = tmp_path / "model.safetensors"
+    shardsafe.unshard_to_safetensors(storage, str(out), prefix="model.")
+    exported = load_file(str(out))
+    assert set(exported) == set(model.state_dict())
+    assert torch.equal(_bytes(exported["0.weight"]), _bytes(model.state_dict()["0.weight"]))
+
+
 def test_save_overwrite_false_refuses_and_true_replaces(object_cloud) -> None:
     c = object_cloud
     storage = _open(c)
@@ -321,6 +346,24 @@ def test_large_read_is_split_into_concurrent_ranged_gets(object_cloud) -> None:
     gets = [r for r in c.proxy.snapshot() if r.method == "GET"]
     assert len(gets) == 7 and sum(r.received for r in gets) == 6 * GET + 7
     assert _overlap(gets) >= 2
+
+
+def test_many_separate_ranges_are_fetched_concurrently_and_exactly(object_cloud) -> None:
+    c = object_cloud
+    storage = _open(c)
+    payload = os.urandom(1 << 20)
+    storage.put_atomic("d.bin", payload, overwrite=False)
+    c.proxy.reset_records()
+    spans = [(i * 10_000 + 7, memoryview(bytearray(3000))) for i in range(60)]  # rows of a strided box
+    storage.read_spans_into("d.bin", spans)
+    assert all(bytes(v) == payload[o : o + 3000] for o, v in spans)
+    gets = c.proxy.snapshot()
+    assert len(gets) == 60 and sum(r.received for r in gets) == 60 * 3000  # none merged: no byte over-read
+    assert _overlap(gets) >= 2
+    with pytest.raises(CorruptCheckpointError, match=r"d\.bin: truncated: .*1048576 bytes"):
+        storage.read_spans_into("d.bin", [(0, memoryview(bytearray(4))), ((1 << 20) - 2, memoryview(bytearray(4)))])
+    with pytest.raises(CorruptCheckpointError, match=r"gone\.bin: data file named in the metadata is missing"):
+        storage.read_spans_into("gone.bin", [(0, memoryview(bytearray(4)))])
 
 
 def test_an_interrupted_upload_is_aborted(object_cloud) -> None:

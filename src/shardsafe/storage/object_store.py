@@ -11,7 +11,8 @@ How the :class:`~shardsafe.storage.Storage` calls map onto requests:
   S3 and Azure, ``x-goog-if-generation-match: 0`` on GCS): of two racing commits one wins and
   the other gets ``FileExistsError``.
 - ``read_into``: ranged GETs of at most ``get_bytes`` each, up to ``concurrency`` in flight,
-  each copied into the caller's buffers as it lands.
+  each copied into the caller's buffers as it lands. ``read_spans_into`` (not part of the
+  ``Storage`` protocol) fetches many separate ranges of one file concurrently.
 - ``read``/``list``/``delete``: GET, a delimited LIST of the prefix, DELETE.
 
 Throttling (503 SlowDown), other 5xx, timeouts and connection resets, including a body cut
@@ -169,6 +170,34 @@ class ObjectStorage:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+    def read_spans_into(self, name: str, spans: list[tuple[int, memoryview]]) -> None:
+        """Fill each buffer with the bytes of the file at its offset, all ranges fetched
+        concurrently (up to 10 in flight), none merged: for many small reads of one file, such
+        as the rows of a strided box, where ``read_into`` per span would wait for each GET."""
+        import obstore
+
+        check_name(name)
+        spans = [(off, memoryview(buf).cast("B")) for off, buf in spans]
+        spans = [(off, v) for off, v in spans if v.nbytes]
+        if not spans:
+            return
+        try:
+            got = obstore.get_ranges(
+                self._store, name, starts=[o for o, _ in spans], lengths=[v.nbytes for _, v in spans], coalesce=0
+            )
+        except Exception as e:
+            if _status(e) == 416 or _PAST_END.search(str(e)):
+                first, last = min(o for o, _ in spans), max(o + v.nbytes for o, v in spans)
+                raise self._truncated(name, first, last - first) from None
+            if _is_missing_object(e):
+                raise CorruptCheckpointError(f"{self.url}/{name}: data file named in the metadata is missing") from None
+            raise self._error(e, name, f"read of {len(spans)} byte ranges failed") from e
+        for (off, v), data in zip(spans, got):
+            data = memoryview(data)
+            if data.nbytes < v.nbytes:
+                raise self._truncated(name, off, v.nbytes)
+            v[:] = data[: v.nbytes]
 
     def _fetch(self, name: str, start: int, length: int, views: list[memoryview], offset: int, want: int) -> None:
         """GET bytes [start, start + length) and copy them to where they belong in ``views``
