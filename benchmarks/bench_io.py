@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_io.py [--total-gib 2] [--reps 3] [--world-sizes 1,2,4] [--cases synthetic,model]
-        [--quick] [--cold] [--dir /tmp/shardsafe-bench] [--out benchmarks/results] [--update-docs]
+        [--quick] [--cache both|warm|cold] [--dir /tmp/shardsafe-bench] [--out benchmarks/results] [--update-docs]
 
 For each world size (one process per rank, gloo), on each state (``synthetic``: a 4 KiB-64 MiB
 mix of bf16 and fp32 tensors; ``model``: the demo transformer with its AdamW state), it runs,
@@ -12,7 +12,7 @@ interleaved and repeated:
 - save, durable: shardsafe; DCP ``FileSystemWriter`` at its defaults and with ``thread_count=4``;
   ``torch.save`` and ``safetensors.save_file`` per rank (+fsync); the limit: a raw write of the
   same bytes with fsync, 1 and 4 threads;
-- load into the same layout, in place: shardsafe; DCP ``FileSystemReader``; ``torch.load(mmap=True)``
+- load into the same layout, in place, from a warm and from a cold page cache: shardsafe; DCP ``FileSystemReader``; ``torch.load(mmap=True)``
   and ``safetensors.load_file`` + copy; the limit: ``preadv`` into the allocated tensors, 1 and 4 threads;
 - resharding loads from the world-size-2 checkpoints: 2->1, 2->4, Shard(0)->Shard(1);
 - unshard to one file, in one process: shardsafe's streaming ``unshard_to_safetensors``, its
@@ -20,8 +20,8 @@ interleaved and repeated:
 
 with peak RSS beyond the state for each. Writes ``results.json`` (every measurement),
 ``results.md`` (the table) and ``results.png`` (the chart) to ``--out``; ``--update-docs`` also
-puts the table and chart into ``docs/benchmarks.md``. ``--quick`` is a 256 MiB run for a smoke
-check (under 3 minutes here).
+puts the table and chart into ``docs/benchmarks.md``. ``--quick`` is a smoke run (128 MiB states,
+warm loads only; under 3 minutes here).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="synthetic,model")
     ap.add_argument("--ops", default="save,load,reshard,unshard")
     ap.add_argument("--quick", action="store_true", help="256 MiB states, for a smoke run")
-    ap.add_argument("--cold", action="store_true", help="drop checkpoint files from the page cache before each load")
+    ap.add_argument("--cache", choices=("both", "warm", "cold"), default="both",
+                    help="before each load, read the checkpoint into the page cache (warm), drop it (cold), or measure both")
     ap.add_argument("--dir", default="/tmp/shardsafe-bench", help="scratch directory for the checkpoints (emptied)")
     ap.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
     ap.add_argument("--update-docs", action="store_true", help="write the table and chart into docs/benchmarks.md")
@@ -61,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             old = json.load(f)
         return _outputs(args, old["records"], old["machine"], old["config"])
 
-    total = int((0.25 if args.quick else args.total_gib) * 2**30)
+    if args.quick:  # a smoke run: small states, warm loads only
+        args.cache = "warm"
+    total = int((0.125 if args.quick else args.total_gib) * 2**30)
     model_total = total if args.model_total_gib is None or args.quick else int(args.model_total_gib * 2**30)
     cases = {c: (total if c == "synthetic" else model_total) for c in args.cases.split(",") if c}
     worlds = tuple(int(w) for w in args.world_sizes.split(","))
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         cases=cases,
         reps=args.reps,
         world_sizes=worlds,
-        cold=args.cold,
+        cache=args.cache,
         saves=tuple(M.SAVES),
         loads=tuple(M.LOADS) if "load" in ops else (),
         reshards=M.RESHARD_LOADS if "reshard" in ops else (),
@@ -92,20 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     try:
         for world in sorted(worlds, key=lambda w: (w != 2, w)):  # world size 2 first: its checkpoints are resharded
-            print(f"world size {world} ...", file=sys.stderr, flush=True)
+            print(f"world size {world} ... ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
             records += run_phase(cfg, world)
             if world != 2:
                 for case in cases:
                     shutil.rmtree(os.path.join(cfg.root, case, f"ws{world}"), ignore_errors=True)
         if cfg.unshards and 2 in worlds:
-            print("unshard ...", file=sys.stderr, flush=True)
+            print(f"unshard ... ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
             records += run_unshard(cfg)
     finally:
         if not args.keep:
             shutil.rmtree(cfg.root, ignore_errors=True)
     elapsed = time.time() - t0
 
-    config = dict(totals=totals, reps=cfg.reps, world_sizes=worlds, cold=cfg.cold, elapsed_s=round(elapsed, 1),
+    config = dict(totals=totals, reps=cfg.reps, world_sizes=worlds, cache=cfg.cache, elapsed_s=round(elapsed, 1),
                   model=model_spec(cases["model"])[1] if "model" in cases else None)
     return _outputs(args, records, report.machine(), config)
 

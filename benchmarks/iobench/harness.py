@@ -7,10 +7,13 @@ several-fold) hit every method alike. Each measurement is bracketed by barriers:
 
     prepare (outside the clock) -> barrier -> reset peak RSS -> clock -> run -> barrier -> clock
 
-so a rank's time includes waiting for the slowest rank. Peak RSS "beyond the state" is the
+so a rank's time includes waiting for the slowest rank; CPU seconds are summed over ranks
+(user + system, all threads), which shows what a method costs when the cores are shared. Peak RSS "beyond the state" is the
 high-water mark during the run minus the RSS just before it (Linux ``/proc/self/clear_refs``
-resets the mark; elsewhere a 2 ms psutil sampler stands in). After each load the state's CRC32C
-is compared with the one it was built with.
+resets the mark, and glibc's ``malloc_trim`` first returns what earlier methods freed; elsewhere
+a 2 ms psutil sampler stands in). Before each load the checkpoint is read into the page cache
+(``warm``) or dropped from it (``cold``, ``posix_fadvise(DONTNEED)``), or both in turn. After each
+load the state's CRC32C is compared with the one it was built with.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class Config:
     cases: dict[str, int]  # case name -> total bytes of its state
     reps: int = 3
     world_sizes: tuple[int, ...] = (1, 2, 4)
-    cold: bool = False  # drop the checkpoint's pages from the page cache before each load
+    cache: str = "both"  # before each load: "warm" (files read into the page cache), "cold" (dropped), or both
     saves: tuple[str, ...] = ()
     loads: tuple[str, ...] = ()
     reshards: tuple[str, ...] = ()
@@ -114,10 +117,45 @@ def _hwm() -> int:
 # ---------------------------------------------------------------- helpers
 
 
+def _cpu() -> float:
+    """CPU seconds of this process so far (all threads, user + system)."""
+    t = os.times()
+    return t.user + t.system
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def warm_cache(path: str) -> None:
+    """Read every file under ``path`` once, so that the next read finds it in the page cache."""
+    buf = bytearray(16 << 20)
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(root, f), "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+
+
+_LIBC = None
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``), so that the RSS before a
+    measurement is not inflated by what the previous method freed."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 def drop_cache(path: str) -> None:
@@ -170,52 +208,71 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
         mesh = init_device_mesh("cpu", (world,))
         peak = PeakRSS()
 
-        def measure(op: str, case: str, method: str, rep: int, fn, prepare, state, expect: int | None) -> None:
+        def measure(op: str, case: str, method: str, rep: int, fn, prepare, state, expect: int | None, cache=None) -> None:
             prepare()
-            gc.collect()
+            gc.collect(1)  # a full collection costs 0.1 s with torch loaded: young generations only
+            trim_heap()
             dist.barrier()
             with peak:
-                t0 = time.perf_counter()
+                c0, t0 = _cpu(), time.perf_counter()
                 fn()
                 dist.barrier()
-                dt = time.perf_counter() - t0
+                dt, cpu = time.perf_counter() - t0, _cpu() - c0
             ok = None
             if expect is not None:
                 ok = state_crc(state) == expect
             records.append(
-                dict(case=case, world=world, op=op, method=method, rep=rep, seconds=dt, extra_rss=peak.extra,
-                     state_bytes=local_bytes(state), ok=ok, rank=rank)
+                dict(case=case, world=world, op=op, cache=cache, method=method, rep=rep, seconds=dt, cpu_s=cpu,
+                     extra_rss=peak.extra, state_bytes=local_bytes(state), ok=ok, rank=rank)
             )
             if rank == 0:
-                _log(cfg, f"  ws{world} {case:9} {op:8} rep {rep} {method:16} {dt:7.3f} s  +{peak.extra / 2**20:7.1f} MiB"
+                what = op if cache in (None, "warm") else f"{op} cold"
+                _log(cfg, f"  ws{world} {case:9} {what:11} rep {rep} {method:16} {dt:7.3f} s  +{peak.extra / 2**20:7.1f} MiB"
                           + ("" if ok is not False else "  WRONG DATA"))
+
+        def rm(path: str) -> None:
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+
+        def load_prep(path: str, target, cache: str) -> None:
+            scribble(target)
+            if rank == 0:  # the others wait at the barrier
+                (drop_cache if cache == "cold" else warm_cache)(path)
+
+        modes = ("warm", "cold") if cfg.cache == "both" else (cfg.cache,)
+
+        def loads(op: str, case: str, methods: tuple[str, ...], saved_world: int, target, expect_crc: int) -> None:
+            for rep in range(cfg.reps):
+                for m in _rotated(methods, rep):
+                    fn, saved_by = M.LOADS[m]
+                    path = case_dir(cfg, case, saved_world, saved_by)
+                    expect = None if m in M.LIMIT_LOADS else expect_crc
+                    for cache in modes:
+                        measure(op, case, m, rep, lambda fn=fn, path=path, t=target: fn(t, path),
+                                lambda path=path, t=target, c=cache: load_prep(path, t, c), target, expect, cache)
 
         for case, total in cfg.cases.items():
             spec = synthetic_spec(total) if case == "synthetic" else model_spec(total)[0]
             state = build_state(spec, mesh, 0)
             crc = state_crc(state)
 
-            def rm(path: str) -> None:
-                if rank == 0:
-                    shutil.rmtree(path, ignore_errors=True)
-
             for rep in range(cfg.reps):
                 for m in _rotated(cfg.saves, rep):
                     path = case_dir(cfg, case, world, m)
                     measure("save", case, m, rep, lambda m=m, path=path, st=state: M.SAVES[m](st, path), lambda path=path: rm(path), state, None)
+            # keep in the page cache only what is read next (the machine's memory is not endless)
+            needed = {M.LOADS[m][1] for m in cfg.loads}
+            for m in cfg.saves:
+                if m not in needed:
+                    rm(case_dir(cfg, case, world, m))
+            dist.barrier()
 
-            def load_prep(path: str, target) -> None:
-                scribble(target)
-                if cfg.cold:
-                    drop_cache(path)
-
-            for rep in range(cfg.reps):
-                for m in _rotated(cfg.loads, rep):
-                    fn, saved_by = M.LOADS[m]
-                    path = case_dir(cfg, case, world, saved_by)
-                    expect = None if m in M.LIMIT_LOADS else crc
-                    measure("load", case, m, rep, lambda fn=fn, path=path, st=state: fn(st, path),
-                            lambda path=path, st=state: load_prep(path, st), state, expect)
+            loads("load", case, cfg.loads, world, state, crc)
+            if world == 2:  # later phases reshard from (and unshard) these three only
+                for m in cfg.saves:
+                    if m not in ("shardsafe", "dcp", "raw"):
+                        rm(case_dir(cfg, case, world, m))
+                dist.barrier()
 
             op = {1: "2->1", 4: "2->4", 2: "S0->S1"}.get(world)
             if op in cfg.reshard_ops and 2 in cfg.world_sizes and cfg.reshards:
@@ -223,17 +280,10 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
                     del state
                     gc.collect()
                     target = build_state(spec, mesh, 1)
-                    expect_crc = state_crc(target)
+                    loads(op, case, cfg.reshards, 2, target, state_crc(target))
+                    del target
                 else:
-                    target, expect_crc = state, crc
-                for rep in range(cfg.reps):
-                    for m in _rotated(cfg.reshards, rep):
-                        fn, saved_by = M.LOADS[m]
-                        path = case_dir(cfg, case, 2, saved_by)
-                        expect = None if m in M.LIMIT_LOADS else expect_crc
-                        measure(op, case, m, rep, lambda fn=fn, path=path, target=target: fn(target, path),
-                                lambda path=path, target=target: load_prep(path, target), target, expect)
-                del target
+                    loads(op, case, cfg.reshards, 2, state, crc)
             state = None
             gc.collect()
         dist.barrier()
@@ -272,12 +322,13 @@ def merge_ranks(records: list[dict]) -> list[dict]:
     """One record per measurement: the slowest rank's time, the largest extra RSS and state."""
     merged: dict[tuple, dict] = {}
     for r in records:
-        key = (r["case"], r["world"], r["op"], r["method"], r["rep"])
+        key = (r["case"], r["world"], r["op"], r.get("cache"), r["method"], r["rep"])
         m = merged.get(key)
         if m is None:
             merged[key] = {k: v for k, v in r.items() if k != "rank"}
             continue
         m["seconds"] = max(m["seconds"], r["seconds"])
+        m["cpu_s"] = m.get("cpu_s", 0.0) + r.get("cpu_s", 0.0)  # all ranks together
         m["extra_rss"] = max(m["extra_rss"], r["extra_rss"])
         m["state_bytes"] = max(m["state_bytes"], r["state_bytes"])
         if r["ok"] is not None:
@@ -315,16 +366,16 @@ def _run_unshard(cfg: Config) -> list[dict]:
                 for ext in (".safetensors", ".pt", ".bin"):
                     if os.path.exists(dest + ext):
                         os.unlink(dest + ext)
-                if cfg.cold:
-                    for p in src.values():
-                        drop_cache(p)
-                gc.collect()
+                for p in src.values():  # unshard reads a checkpoint just written: warm, unless only cold is asked
+                    (drop_cache if cfg.cache == "cold" else warm_cache)(p)
+                gc.collect(1)
+                trim_heap()
                 with peak:
-                    t0 = time.perf_counter()
+                    c0, t0 = _cpu(), time.perf_counter()
                     M.UNSHARDS[m](src, dest)
-                    dt = time.perf_counter() - t0
+                    dt, cpu = time.perf_counter() - t0, _cpu() - c0
                 records.append(
-                    dict(case=case, world=1, op="unshard", method=m, rep=rep, seconds=dt, extra_rss=peak.extra,
+                    dict(case=case, world=1, op="unshard", cache=None, method=m, rep=rep, seconds=dt, cpu_s=cpu, extra_rss=peak.extra,
                          state_bytes=0, largest_tensor=largest, ok=None)
                 )
                 _log(cfg, f"  ws1 {case:9} unshard  rep {rep} {m:18} {dt:7.3f} s  +{peak.extra / 2**20:7.1f} MiB")

@@ -32,36 +32,39 @@ def kind(op: str) -> str:
     return op if op in ("save", "load", "unshard") else "reshard"
 
 
-def label(op: str, world: int) -> str:
+def label(op: str, world: int, cache: str | None = None) -> str:
     if op in ("save", "load"):
-        return f"{op} ws{world}"
-    if op == "unshard":
-        return "unshard (from ws2)"
-    return f"reshard {op}"
+        text = f"{op} ws{world}"
+    elif op == "unshard":
+        text = "unshard (from ws2)"
+    else:
+        text = f"reshard {op}"
+    return text + " cold" if cache == "cold" else text
 
 
 def aggregate(records: list[dict], totals: dict[str, int]) -> list[dict]:
     """One row per (case, op, world, method): median, spread, throughput, peak extra RSS."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["case"], r["op"], r["world"], r["method"]), []).append(r)
+        groups.setdefault((r["case"], r["op"], r["world"], r.get("cache"), r["method"]), []).append(r)
     rows = []
-    for (case, op, world, method), rs in groups.items():
+    for (case, op, world, cache, method), rs in groups.items():
         secs = sorted(r["seconds"] for r in rs)
         med = median(secs)
+        cpu = median(r.get("cpu_s", 0.0) for r in rs)
         state = max(r["state_bytes"] for r in rs)
         extra = max(r["extra_rss"] for r in rs)
         oks = [r["ok"] for r in rs if r["ok"] is not None]
         rows.append(
             dict(
-                case=case, op=op, world=world, label=label(op, world), method=method, n=len(secs), median_s=med,
-                min_s=secs[0], max_s=secs[-1], gbps=totals[case] / med / 1e9 if med > 0 else float("inf"),
+                case=case, op=op, world=world, cache=cache, label=label(op, world, cache), method=method, n=len(secs), median_s=med,
+                min_s=secs[0], max_s=secs[-1], cpu_s=cpu, gbps=totals[case] / med / 1e9 if med > 0 else float("inf"),
                 extra_rss=extra, state_bytes=state, extra_pct=100.0 * extra / state if state else None,
                 largest_tensor=max(r.get("largest_tensor", 0) for r in rs), verified=all(oks) if oks else None,
             )
         )
     order = {"save": 0, "load": 1, "2->1": 2, "2->4": 3, "S0->S1": 4, "unshard": 5}
-    rows.sort(key=lambda r: (r["case"], order.get(r["op"], 9), r["world"], r["median_s"]))
+    rows.sort(key=lambda r: (r["case"], order.get(r["op"], 9), r["world"], r["cache"] == "cold", r["median_s"]))
     return rows
 
 
@@ -69,9 +72,9 @@ def summarize(rows: list[dict]) -> list[dict]:
     """Per (case, operation): shardsafe against its best peer, DCP's best and the limit; targets."""
     by: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        by.setdefault((r["case"], r["op"], r["world"]), {})[r["method"]] = r
+        by.setdefault((r["case"], r["op"], r["world"], r["cache"]), {})[r["method"]] = r
     out = []
-    for (case, op, world), ms in by.items():
+    for (case, op, world, cache), ms in by.items():
         ss = ms.get("shardsafe")
         if ss is None:
             continue
@@ -87,7 +90,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             return other["median_s"] / ss["median_s"] if other else None
 
         s = dict(
-            case=case, op=op, world=world, label=ss["label"], shardsafe_s=ss["median_s"], shardsafe_gbps=ss["gbps"],
+            case=case, op=op, world=world, cache=cache, label=ss["label"], shardsafe_s=ss["median_s"], shardsafe_gbps=ss["gbps"],
             spread=(ss["min_s"], ss["max_s"]), peer=peer and peer["method"], peer_gbps=peer and peer["gbps"],
             dcp=dcp and dcp["method"], dcp_gbps=dcp and dcp["gbps"], limit=limit and limit["method"],
             limit_gbps=limit and limit["gbps"], vs_peer=ratio(peer), vs_dcp=ratio(dcp), vs_limit=ratio(limit),
@@ -166,7 +169,10 @@ def markdown(summary: list[dict], rows: list[dict], info: dict, config: dict) ->
         f"({info['os']}); torch {info['torch']}, safetensors {info['safetensors']}, shardsafe at {info['commit'] or '?'}.",
         "",
         f"States: {', '.join(f'{c} {v / 2**30:.2f} GiB' for c, v in config['totals'].items())}; "
-        f"{config['reps']} repetitions per method, interleaved; page cache {'dropped before each load' if config['cold'] else 'warm'}. "
+        f"{config['reps']} repetitions per method, interleaved; before each load the checkpoint was "
+        + {"both": "read into the page cache (warm) and, in a second measurement, dropped from it (cold)",
+           "warm": "read into the page cache (warm)", "cold": "dropped from the page cache (cold)"}[config.get("cache", "warm")]
+        + ". "
         "Times are medians; GB/s is the whole checkpoint's bytes over the median time; "
         "ratios are speed ratios within this run (>1: shardsafe is faster).",
         "",
@@ -188,15 +194,15 @@ def markdown(summary: list[dict], rows: list[dict], info: dict, config: dict) ->
         "",
         "<details><summary>Every method</summary>",
         "",
-        "| case | operation | method | median s | min–max s | GB/s | extra peak RSS | verified |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | operation | method | median s | min–max s | GB/s | CPU s (all ranks) | extra peak RSS | verified |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pct = f" ({r['extra_pct']:.1f}%)" if r["extra_pct"] is not None else ""
         ver = {True: "yes", False: "NO", None: "–"}[r["verified"]]
         lines.append(
             f"| {r['case']} | {r['label']} | {r['method']} | {r['median_s']:.3f} | {r['min_s']:.3f}–{r['max_s']:.3f} | "
-            f"{r['gbps']:.2f} | {r['extra_rss'] / _MiB:.0f} MiB{pct} | {ver} |"
+            f"{r['gbps']:.2f} | {r.get('cpu_s', 0.0):.2f} | {r['extra_rss'] / _MiB:.0f} MiB{pct} | {ver} |"
         )
     lines += ["", "</details>", ""]
     return "\n".join(lines)
