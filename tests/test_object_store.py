@@ -366,6 +366,21 @@ def test_many_separate_ranges_are_fetched_concurrently_and_exactly(object_cloud)
         storage.read_spans_into("gone.bin", [(0, memoryview(bytearray(4)))])
 
 
+def test_a_strided_load_reads_every_row_at_once_and_no_byte_more() -> None:
+    """Columns out of row-major chunks: one ranged GET per row, all in flight together."""
+    c = cloud("s3")
+    storage = _open(c)
+    full = _full("m", (64, 4096), torch.float32)  # rows of 16 KiB
+    Checkpointer().save(storage, {"m": full})
+    c.proxy.reset_records()
+    target = torch.full((64, 1024), float("nan"))
+    Checkpointer().load(storage, {"m": shardsafe.ShardedTensor.from_rank_offsets("m", target, (1, 1, 4))}, no_dist=True)
+    assert torch.equal(_bytes(target), _bytes(full[:, 1024:2048]))
+    gets = [r for r in c.proxy.snapshot() if r.path.endswith(".safetensors")]
+    assert len(gets) == 64 and sum(r.received for r in gets) == target.numel() * 4
+    assert _overlap(gets) >= 2
+
+
 def test_an_interrupted_upload_is_aborted(object_cloud) -> None:
     c = object_cloud
     storage = _open(c, part_bytes=PART, concurrency=2)

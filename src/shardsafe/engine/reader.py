@@ -51,7 +51,8 @@ class Reader:
         self.storage = storage
         self.threads = knobs.io_threads if num_threads is None else num_threads
         self.budget = max(knobs.read_buffer_bytes // max(self.threads, 1), 1 << 20)
-        self.gap = knobs.coalesce_gap_bytes
+        # a store may ask for less over-reading than local disk (object stores: bytes are billed)
+        self.gap = min(knobs.coalesce_gap_bytes, getattr(storage, "coalesce_gap_bytes", knobs.coalesce_gap_bytes))
         self.block = max(knobs.read_block_bytes, 1 << 16)
         self.scratch = Scratch()
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
@@ -234,9 +235,16 @@ class Reader:
             run_bytes = run_elems * itemsize
             mv = byte_view(raw)
             outer = item.lengths[:kp]
-            for i, idx in enumerate(_ndindex(outer)):
-                pos = first + sum(j * s for j, s in zip(idx, strides))
-                self.storage.read_into(item.file, item.src_start + pos * itemsize, [mv[i * run_bytes : (i + 1) * run_bytes]])
+            spans = [
+                (item.src_start + (first + sum(j * s for j, s in zip(idx, strides))) * itemsize, mv[i * run_bytes : (i + 1) * run_bytes])
+                for i, idx in enumerate(_ndindex(outer))
+            ]
+            read_spans = getattr(self.storage, "read_spans_into", None)  # object stores: all runs in flight at once
+            if read_spans is not None:
+                read_spans(item.file, spans)
+            else:
+                for offset, buf in spans:
+                    self.storage.read_into(item.file, offset, [buf])
             src = raw.view(target.dtype).view(item.lengths)
             self._count(needed)
         with torch.no_grad():

@@ -110,8 +110,13 @@ class ObjectStoreOptions:
     """Requests in flight per uploaded file, and ranged GETs in flight per storage; default: knob
     ``object_concurrency``."""
 
+    coalesce_gap_bytes: int = 0
+    """Rows of a strided read closer than this are fetched as one range, gaps included. 0: every
+    row is its own ranged GET (all in flight together), so a load moves only the bytes it needs;
+    raise it to trade bytes for fewer requests."""
+
     def __post_init__(self) -> None:
-        for name in ("max_retries", "part_bytes", "get_bytes", "concurrency"):
+        for name in ("max_retries", "part_bytes", "get_bytes", "concurrency", "coalesce_gap_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"ObjectStoreOptions.{name} must be a non-negative int, got {v!r}")

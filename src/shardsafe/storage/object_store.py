@@ -81,6 +81,7 @@ class ObjectStorage:
         self.part_bytes = o.part_bytes or max(knobs.object_part_bytes, 5 << 20)
         self.get_bytes = o.get_bytes or max(knobs.object_get_bytes, 1 << 16)
         self.concurrency = o.concurrency or max(knobs.object_concurrency, 1)
+        self.coalesce_gap_bytes = o.coalesce_gap_bytes  # read by the engine's reader
         self._store = build_store(
             self.location,
             o,
