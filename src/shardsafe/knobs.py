@@ -26,7 +26,7 @@ _TABLE: dict[str, tuple[int, str]] = {
     "object_max_retries": (10, "object stores: retries of a request that failed with 5xx, throttling or a reset"),
     "object_retry_timeout_s": (180, "object stores: no retry starts later than this after the first try (seconds)"),
     "writeback_bytes": (16 * _MiB, "local files: start writing back every this many bytes written (sync_file_range), so the final fsync has little left; 0: off"),
-    "read_block_bytes": (8 * _MiB, "in-place reads larger than this are split into blocks read concurrently while the checksum runs (bytes)"),
+    "read_block_bytes": (32 * _MiB, "in-place reads larger than this are split into blocks read concurrently while the checksum runs (bytes)"),
 }
 
 
