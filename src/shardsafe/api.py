@@ -8,7 +8,6 @@ tensor parallel or a plain module, at any world size. No state_dict_type to set,
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -20,11 +19,10 @@ from .checkpointer import Checkpointer, _read_metadata
 from .dist import get_comm
 from .errors import CheckpointError, MissingKeyError
 from .knobs import Knobs
-from .storage import open_storage
+from .storage import Location, open_storage
 
 __all__ = ["load_model_and_optim_state", "save_model_and_optim_state", "unshard_model_state", "unshard_optim_state"]
 
-PathOrUrl = str | os.PathLike[str]
 MODEL_PREFIX = "model."
 
 
@@ -39,7 +37,7 @@ def _model_values(params: list[ParamInfo], buffers: list[ParamInfo]) -> dict[str
 
 
 def save_model_and_optim_state(
-    dir: PathOrUrl,
+    dir: Location,
     model: nn.Module,
     optim: torch.optim.Optimizer | None = None,
     save_overwrite: bool = False,
@@ -62,7 +60,7 @@ def save_model_and_optim_state(
 
 
 def load_model_and_optim_state(
-    dir: PathOrUrl,
+    dir: Location,
     model: nn.Module,
     optim: torch.optim.Optimizer | None = None,
     validate: bool = True,
@@ -120,7 +118,7 @@ def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, st
 
 
 def unshard_model_state(
-    dir: PathOrUrl, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
+    dir: Location, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
 ) -> dict[str, torch.Tensor]:
     """The full model state dict (parameter name -> whole tensor) of a model/optimizer checkpoint.
 
@@ -131,7 +129,7 @@ def unshard_model_state(
 
 
 def unshard_optim_state(
-    dir: PathOrUrl, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
+    dir: Location, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
 ) -> dict[str, Any]:
     """The full optimizer state, keyed by parameter name: ``{"state": {name: {state name: value}},
     "param_groups": [{..hyper-parameters.., "params": [name, ...]}]}``.

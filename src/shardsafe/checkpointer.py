@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -16,11 +15,10 @@ from .engine.writer import save_state
 from .errors import DtypeMismatchError, IncompleteCheckpointError, MissingKeyError, ShapeMismatchError
 from .format.metadata import METADATA_FILENAME, StorageMetadata
 from .knobs import KNOBS, Knobs
-from .storage import Storage, open_storage
+from .storage import Location, Storage, open_storage
 
 __all__ = ["Checkpointer"]
 
-PathOrUrl = str | os.PathLike[str]
 
 
 class Checkpointer:
@@ -41,7 +39,7 @@ class Checkpointer:
         self.allow_pickle = allow_pickle
         self.knobs = knobs or KNOBS
 
-    def save(self, dir: PathOrUrl, state_dict: dict[str, Any], save_overwrite: bool = False) -> tuple[StorageMetadata, list[str]]:
+    def save(self, dir: Location, state_dict: dict[str, Any], save_overwrite: bool = False) -> tuple[StorageMetadata, list[str]]:
         """Save ``state_dict``; returns the storage metadata and the files this rank created.
 
         Each rank writes only its own pieces; replicated pieces are written once, by one of the
@@ -54,7 +52,7 @@ class Checkpointer:
             comm=get_comm(), knobs=self.knobs,
         )
 
-    def load(self, dir: PathOrUrl, state_dict: dict[str, Any], no_dist: bool = False, metadata: StorageMetadata | None = None) -> None:
+    def load(self, dir: Location, state_dict: dict[str, Any], no_dist: bool = False, metadata: StorageMetadata | None = None) -> None:
         """Fill the tensors of ``state_dict`` in place and replace its non-tensor values.
 
         Any save layout loads into any target layout. Each rank reads only the bytes its pieces
@@ -79,7 +77,7 @@ class Checkpointer:
 
     def unshard(
         self,
-        dir: PathOrUrl,
+        dir: Location,
         device: torch.device | str | None = None,
         rank0_only: bool = False,
         no_dist: bool = False,
@@ -114,7 +112,7 @@ class Checkpointer:
         out.update((k[len(pre) :], v) for k, v in values.items())
         return out
 
-    def get_metadata(self, dir: PathOrUrl, no_dist: bool = False) -> StorageMetadata:
+    def get_metadata(self, dir: Location, no_dist: bool = False) -> StorageMetadata:
         """The checkpoint's metadata (read once by rank 0 and broadcast, unless ``no_dist``)."""
         return _read_metadata(open_storage(dir), get_comm(no_dist))
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from ..errors import StorageError
 
-__all__ = ["Storage", "Writer", "check_name", "open_storage"]
+__all__ = ["Location", "Storage", "Writer", "check_name", "open_storage"]
 
 
 class Writer(Protocol):
@@ -66,7 +66,11 @@ def check_name(name: str) -> str:
     return name
 
 
-def open_storage(location: str | os.PathLike[str] | Storage, **options: Any) -> Storage:
+Location = str | os.PathLike[str] | Storage
+"""Where a checkpoint lives: a path, a URL, or a ``Storage`` opened with options."""
+
+
+def open_storage(location: Location, **options: Any) -> Storage:
     """The backend for a checkpoint location.
 
     ``location`` is a local path, ``file://``, ``memory://``, an object-store URL
