@@ -16,7 +16,7 @@ _KiB, _MiB = 1 << 10, 1 << 20
 # name: (default, doc)
 _TABLE: dict[str, tuple[int, str]] = {
     "io_threads": (4, "threads per rank that read byte ranges concurrently"),
-    "read_buffer_bytes": (64 * _MiB, "bound on scratch memory per read batch (bytes)"),
+    "read_buffer_bytes": (32 * _MiB, "bound on the scratch memory of a load, all reader threads together (bytes): only reads that cannot go straight into the target use it"),
     "coalesce_gap_bytes": (64 * _KiB, "byte gap under which two ranged reads become one (the gap is read and dropped: one large read beats many small ones, locally and on object stores)"),
     "write_block_bytes": (16 * _MiB, "largest single write call when streaming a chunk; the checksum of one block overlaps the write of the previous (bytes)"),
     "replica_split_bytes": (16 * _MiB, "replicated tensors larger than this are split across replicas"),

@@ -171,13 +171,18 @@ class Reader:
         The parts of one item form one job and run in order; when the item reads a whole chunk,
         their bytes are consecutive in the file and the chunk's checksum is chained over them.
         """
+        if not item.lengths or item.lengths[0] < 2:
+            return [item]
         nbytes = prod(item.lengths) * itemsize
-        if nbytes <= self.budget or not item.lengths or item.lengths[0] < 2:
+        row = nbytes // item.lengths[0]
+        strided = _src_runs(item)[0] > 1
+        if strided:  # a coalesced read fetches whole source rows, gaps included: budget for those
+            row = max(row, prod(item.src_shape[1:]) * itemsize)
+        if row * item.lengths[0] <= self.budget:
             return [item]
         dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
-        if _src_runs(item)[0] == 1 and can_read_into(dst):
+        if not strided and can_read_into(dst):
             return [item]  # read straight into the target: no scratch
-        row = nbytes // item.lengths[0]
         step = max(1, self.budget // row)
         out = []
         for r in range(0, item.lengths[0], step):
