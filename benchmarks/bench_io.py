@@ -2,19 +2,19 @@
 
 Usage::
 
-    python benchmarks/bench_io.py [--total-gib 2] [--reps 3] [--world-sizes 1,2,4] [--cases synthetic,model]
+    python benchmarks/bench_io.py [--total-gib 2] [--model-total-gib 1] [--reps 3] [--world-sizes 1,2,4] [--cases synthetic,model]
         [--quick] [--cache both|warm|cold] [--dir /tmp/shardsafe-bench] [--out benchmarks/results] [--update-docs]
 
 For each world size (one process per rank, gloo), on each state (``synthetic``: a 4 KiB-64 MiB
-mix of bf16 and fp32 tensors; ``model``: the demo transformer with its AdamW state), it runs,
-interleaved and repeated:
+mix of bf16 and fp32 tensors, 2 GiB; ``model``: the demo transformer with its AdamW state, 1 GiB),
+it runs, interleaved and repeated:
 
 - save, durable: shardsafe; DCP ``FileSystemWriter`` at its defaults and with ``thread_count=4``;
   ``torch.save`` and ``safetensors.save_file`` per rank (+fsync); the limit: a raw write of the
   same bytes with fsync, 1 and 4 threads;
 - load into the same layout, in place, from a warm and from a cold page cache: shardsafe; DCP ``FileSystemReader``; ``torch.load(mmap=True)``
   and ``safetensors.load_file`` + copy; the limit: ``preadv`` into the allocated tensors, 1 and 4 threads;
-- resharding loads from the world-size-2 checkpoints: 2->1, 2->4, Shard(0)->Shard(1);
+- resharding loads from the world-size-2 checkpoints (warm): 2->1, 2->4, Shard(0)->Shard(1);
 - unshard to one file, in one process: shardsafe's streaming ``unshard_to_safetensors``, its
   in-memory ``unshard`` + ``save_file``, DCP's ``dcp_to_torch_save``, and a raw copy;
 
@@ -43,7 +43,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--total-gib", type=float, default=2.0, help="bytes of each state (all ranks together)")
-    ap.add_argument("--model-total-gib", type=float, default=None, help="size of the model case (default: --total-gib)")
+    ap.add_argument("--model-total-gib", type=float, default=1.0, help="size of the model case (parameters + AdamW state)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every method (at least 3 for a spread)")
     ap.add_argument("--world-sizes", default="1,2,4")
     ap.add_argument("--cases", default="synthetic,model")
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # a smoke run: small states, warm loads only
         args.cache = "warm"
     total = int((0.125 if args.quick else args.total_gib) * 2**30)
-    model_total = total if args.model_total_gib is None or args.quick else int(args.model_total_gib * 2**30)
+    model_total = total if args.quick else int(args.model_total_gib * 2**30)
     cases = {c: (total if c == "synthetic" else model_total) for c in args.cases.split(",") if c}
     worlds = tuple(int(w) for w in args.world_sizes.split(","))
     ops = set(args.ops.split(","))
