@@ -453,14 +453,20 @@ def test_unshard_in_plain_process(tmp_path):
 # --- multi-rank: FSDP2 + DDP (ws2), then FSDP1 (ws2) ----------------------------------------
 
 
-def _fsdp2_ddp_session(rank, ws, base):
-    """FSDP2 + SGD: save, load in place, unshard with rank0_only and no_dist. DDP + Adam: save."""
-    path = os.path.join(base, "fsdp2_sgd")
-    model, optim = _trained("fsdp2", ws, "sgd")
+def _save_with_truth(rank, path, model, optim):
+    """Save, and keep the full state (gathered with torch collectives) beside it for the parent."""
     truth = full_state(model, optim)
     shardsafe.save_model_and_optim_state(path, model, optim)
     if rank == 0:
         torch.save(truth, path + ".truth.pt")
+    return truth
+
+
+def _fsdp2_ddp_session(rank, ws, base):
+    """FSDP2 + SGD: save, load in place, unshard with rank0_only and no_dist. DDP + Adam: save."""
+    path = os.path.join(base, "fsdp2_sgd")
+    model, optim = _trained("fsdp2", ws, "sgd")
+    truth = _save_with_truth(rank, path, model, optim)
 
     _train_step(model, optim, 3)  # values move away from the checkpoint
     before, ids = _ptrs(model, optim), _state_ids(optim)
@@ -483,10 +489,7 @@ def _fsdp2_ddp_session(rank, ws, base):
 
     path = os.path.join(base, "ddp_adam")
     model, optim = _trained("ddp", ws, "adam", steps=1)
-    truth = full_state(model, optim)
-    shardsafe.save_model_and_optim_state(path, model, optim)
-    if rank == 0:
-        torch.save(truth, path + ".truth.pt")
+    truth = _save_with_truth(rank, path, model, optim)
     return rank0_only
 
 
@@ -542,10 +545,7 @@ def _fsdp1_session(rank, ws, base):
 
     path = os.path.join(base, "fsdp1_adamw")
     model, optim = _trained("fsdp1", ws, "adamw", steps=1)
-    truth = full_state(model, optim)
-    shardsafe.save_model_and_optim_state(path, model, optim)
-    if rank == 0:
-        torch.save(truth, path + ".truth.pt")
+    truth = _save_with_truth(rank, path, model, optim)
     _train_step(model, optim, 3)
     before, ids = _ptrs(model, optim), _state_ids(optim)
     shardsafe.load_model_and_optim_state(path, model, optim)
