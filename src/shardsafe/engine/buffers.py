@@ -23,15 +23,22 @@ def can_read_into(t: torch.Tensor) -> bool:
 
 
 class Scratch:
-    """One growable uint8 buffer per thread, kept between uses."""
+    """One uint8 buffer per thread, kept between uses.
 
-    def __init__(self) -> None:
+    The first use allocates ``min_bytes`` at once (pages are only resident once touched):
+    growing step by step would leave each smaller buffer behind in the allocator's heap, and
+    resident memory would reach a multiple of the largest buffer.
+    """
+
+    def __init__(self, min_bytes: int = 1 << 16) -> None:
         self._local = threading.local()
+        self._min = min_bytes
 
     def get(self, nbytes: int) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+            buf = None  # drop the old one first
+            buf = torch.empty(max(nbytes, self._min), dtype=torch.uint8)
             self._local.buf = buf
         return buf[:nbytes]
 
