@@ -216,7 +216,7 @@ def chart(rows: list[dict], path: str) -> None:
 
     cases = sorted({r["case"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in sorted(rows, key=lambda r: r["method"] != "shardsafe")))
-    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    colors = {m: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}  # more methods than tab10 has colors
     fig, axes = plt.subplots(len(cases), 1, figsize=(14, 4.2 * len(cases)), squeeze=False)
     for ax, case in zip(axes[:, 0], cases):
         rs = [r for r in rows if r["case"] == case]
