@@ -20,8 +20,8 @@ it runs, interleaved and repeated:
 
 with peak RSS beyond the state for each. Writes ``results.json`` (every measurement),
 ``results.md`` (the table) and ``results.png`` (the chart) to ``--out``; ``--update-docs`` also
-puts the table and chart into ``docs/benchmarks.md``. ``--quick`` is a smoke run (128 MiB states,
-warm loads only; under 3 minutes here).
+puts the table and chart into ``docs/benchmarks.md``. ``--quick`` is a smoke run (64 MiB states,
+warm loads only; about 1.5 minutes here on quiet cores, under 3 with the cores shared).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:  # a smoke run: small states, warm loads only
         args.cache = "warm"
-    total = int((0.125 if args.quick else args.total_gib) * 2**30)
+    total = int((1 / 16 if args.quick else args.total_gib) * 2**30)
     model_total = total if args.quick else int(args.model_total_gib * 2**30)
     cases = {c: (total if c == "synthetic" else model_total) for c in args.cases.split(",") if c}
     worlds = tuple(int(w) for w in args.world_sizes.split(","))

@@ -113,6 +113,8 @@ def model_spec(total: int) -> tuple[Spec, str]:
     dim, heads, kv, ffn, vocab = 1024, 16, 4, 2816, 32000
     if total < 512 * _MiB:  # small runs: a smaller model, so that layers still repeat
         dim, heads, kv, ffn, vocab = 512, 8, 2, 1408, 16000
+    if total < 128 * _MiB:
+        dim, heads, kv, ffn, vocab = 256, 4, 2, 704, 8000
     demo = _load_demo()
 
     def shapes(layers: int) -> tuple[list[tuple[str, tuple[int, ...]]], str]:
