@@ -220,6 +220,14 @@ def _copy(src: str, tmp_path) -> str:
 # The reader rebuilds what shardsafe saved
 
 
+def _both_refuse(path, spec_match, error, match=None, *, read="get_metadata"):
+    """The independent reader refuses ``path`` (``spec_match``), and so does shardsafe (``error``)."""
+    with pytest.raises(SpecError, match=spec_match):
+        read_checkpoint(path)
+    with pytest.raises(error, match=match):
+        getattr(shardsafe.Checkpointer(), read)(path, no_dist=True)
+
+
 def test_reader_single_process_every_dtype_0d_and_empty(tmp_path):
     f = full_tensors()
     state = {
@@ -351,10 +359,7 @@ def test_crc32c_is_castagnoli():
 def test_refuses_directory_without_metadata(sharded_ckpt, tmp_path):
     path = _copy(sharded_ckpt, tmp_path)
     os.remove(os.path.join(path, "metadata.json"))
-    with pytest.raises(SpecError, match="no metadata.json"):
-        read_checkpoint(path)
-    with pytest.raises(shardsafe.IncompleteCheckpointError):
-        shardsafe.Checkpointer().unshard(path, no_dist=True)
+    _both_refuse(path, "no metadata.json", shardsafe.IncompleteCheckpointError, read="unshard")
 
 
 @pytest.mark.parametrize("bad", ["../outside.safetensors", "sub/x.safetensors", "/abs.safetensors", ".hidden.safetensors", "x.bin"])
@@ -365,10 +370,7 @@ def test_refuses_data_file_names_that_are_not_plain(sharded_ckpt, tmp_path, bad)
     first = sorted(spf)[0]
     spf[bad] = spf.pop(first)
     _write_metadata(path, meta)
-    with pytest.raises(SpecError, match="is not a plain name"):
-        read_checkpoint(path)
-    with pytest.raises(shardsafe.CorruptCheckpointError, match="is not a plain file name"):
-        shardsafe.Checkpointer().get_metadata(path, no_dist=True)
+    _both_refuse(path, "is not a plain name", shardsafe.CorruptCheckpointError, "is not a plain file name")
 
 
 def test_refuses_chunks_that_do_not_tile(flat_ckpt, tmp_path):
@@ -377,20 +379,14 @@ def test_refuses_chunks_that_do_not_tile(flat_ckpt, tmp_path):
     spf = meta["tensors"]["flat3d"]["shard_spec_per_file"]
     del spf[sorted(spf)[1]]  # drop one flattened range: a gap
     _write_metadata(path, meta)
-    with pytest.raises(SpecError, match="leave a gap"):
-        read_checkpoint(path)
-    with pytest.raises(shardsafe.CorruptCheckpointError, match="a gap: some part"):
-        shardsafe.Checkpointer().get_metadata(path, no_dist=True)
+    _both_refuse(path, "leave a gap", shardsafe.CorruptCheckpointError, "a gap: some part")
 
     meta = _metadata(flat_ckpt)
     spf = meta["tensors"]["flat3d"]["shard_spec_per_file"]
     chunk = spf[sorted(spf)[1]][0]
     chunk["flattened_range"] = [6, 12]  # same byte count, now overlapping [0, 7)
     _write_metadata(path, meta)
-    with pytest.raises(SpecError, match="chunks overlap"):
-        read_checkpoint(path)
-    with pytest.raises(shardsafe.CorruptCheckpointError, match=r"flattened ranges .* overlap"):
-        shardsafe.Checkpointer().get_metadata(path, no_dist=True)
+    _both_refuse(path, "chunks overlap", shardsafe.CorruptCheckpointError, r"flattened ranges .* overlap")
 
 
 def test_refuses_corrupt_chunk_bytes(sharded_ckpt, tmp_path):
@@ -402,10 +398,7 @@ def test_refuses_corrupt_chunk_bytes(sharded_ckpt, tmp_path):
         byte = fh.read(1)
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([byte[0] ^ 0x10]))
-    with pytest.raises(SpecError, match="checksum mismatch"):
-        read_checkpoint(path)
-    with pytest.raises(shardsafe.CorruptCheckpointError, match="checksum mismatch"):
-        shardsafe.Checkpointer().unshard(path, no_dist=True)
+    _both_refuse(path, "checksum mismatch", shardsafe.CorruptCheckpointError, "checksum mismatch", read="unshard")
 
 
 def test_refuses_newer_format_version(sharded_ckpt, tmp_path):
@@ -413,10 +406,7 @@ def test_refuses_newer_format_version(sharded_ckpt, tmp_path):
     meta = _metadata(path)
     meta["format_version"] = 2
     _write_metadata(path, meta)
-    with pytest.raises(SpecError, match="format_version 2 is not supported"):
-        read_checkpoint(path)
-    with pytest.raises(shardsafe.CorruptCheckpointError, match="is newer than this shardsafe reads"):
-        shardsafe.Checkpointer().get_metadata(path, no_dist=True)
+    _both_refuse(path, "format_version 2 is not supported", shardsafe.CorruptCheckpointError, "is newer than this shardsafe reads")
 
 
 # ---------------------------------------------------------------------------------------------
