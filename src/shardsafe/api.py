@@ -95,7 +95,7 @@ def load_model_and_optim_state(
 
     comm.check(targets)
     state = holder["state"]
-    ckpt.load(dir, state, metadata=meta)
+    ckpt.load(storage, state, metadata=meta)  # the storage already opened: one client, not two
     if optim is not None:
         comm.check(lambda: holder["apply"](state))
 

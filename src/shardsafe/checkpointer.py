@@ -13,7 +13,7 @@ from .engine.objects import decode_objects
 from .engine.reader import Reader
 from .engine.writer import save_state
 from .errors import DtypeMismatchError, IncompleteCheckpointError, MissingKeyError, ShapeMismatchError
-from .format.metadata import METADATA_FILENAME, StorageMetadata
+from .format.metadata import METADATA_FILENAME, StorageMetadata, keys_under
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
 
@@ -97,19 +97,17 @@ class Checkpointer:
         if rank0_only and comm.rank != 0:
             return {}
         device = torch.device(device) if device is not None else torch.device("cpu")
-        pre = prefix or ""
         out: dict[str, Any] = {}
         with Reader(storage, self.knobs, num_threads=num_threads) as reader:
-            for key, tm in meta.tensors.items():
-                if not key.startswith(pre):
-                    continue
+            for name, key in keys_under(meta.tensors, prefix).items():
+                tm = meta.tensors[key]
                 full = torch.empty(tm.shape, dtype=tm.torch_dtype)
                 (target,), _ = describe_state({key: full})
                 reader.load_tensor(tm, target)
-                out[key[len(pre) :]] = full if device.type == "cpu" else full.to(device)
-        wanted = [k for k in [*meta.objects, *meta.pickled_objects] if k.startswith(pre)]
-        values = decode_objects(meta.objects, meta.pickled_objects, wanted, allow_pickle=self.allow_pickle, where=storage.url)
-        out.update((k[len(pre) :], v) for k, v in values.items())
+                out[name] = full if device.type == "cpu" else full.to(device)
+        wanted = keys_under([*meta.objects, *meta.pickled_objects], prefix)
+        values = decode_objects(meta.objects, meta.pickled_objects, list(wanted.values()), allow_pickle=self.allow_pickle, where=storage.url)
+        out.update((name, values[key]) for name, key in wanted.items())
         return out
 
     def get_metadata(self, dir: Location, no_dist: bool = False) -> StorageMetadata:

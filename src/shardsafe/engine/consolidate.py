@@ -32,7 +32,7 @@ from ..adapters import describe_state
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, MissingKeyError, StorageError
 from ..format.checksum import crc32c
 from ..format.dtypes import SAFETENSORS_CODE
-from ..format.metadata import StorageMetadata, TensorStorageMetadata
+from ..format.metadata import StorageMetadata, TensorStorageMetadata, keys_under
 from ..format.safetensors_file import FileEntry, layout_file
 from ..knobs import KNOBS, Knobs
 from ..planning.geometry import row_major_strides
@@ -164,22 +164,9 @@ def _select(
 ) -> tuple[dict[str, tuple[str, TensorStorageMetadata]], dict[str, Any], int]:
     """Output name -> (stored key, metadata) for the selected tensors; selected JSON values; pickled count."""
 
-    def strip(key: str) -> str | None:
-        if prefix is None:
-            return key
-        return key[len(prefix) :] if key.startswith(prefix) else None
-
-    tensors: dict[str, tuple[str, TensorStorageMetadata]] = {}
-    values: dict[str, Any] = {}
-    for key, tm in meta.tensors.items():
-        name = strip(key)
-        if name is not None:
-            tensors[name] = (key, tm)
-    for key, v in meta.objects.items():
-        name = strip(key)
-        if name is not None:
-            values[name] = v
-    skipped = sum(1 for key in meta.pickled_objects if strip(key) is not None)
+    tensors = {name: (key, meta.tensors[key]) for name, key in keys_under(meta.tensors, prefix).items()}
+    values = {name: meta.objects[key] for name, key in keys_under(meta.objects, prefix).items()}
+    skipped = len(keys_under(meta.pickled_objects, prefix))
     if skipped:
         log.warning("%s: %d value(s) stored with pickle are not written to the safetensors file", where, skipped)
     if prefix is not None and not tensors and not values and not skipped:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from math import prod
 from typing import Any
 
@@ -27,11 +27,19 @@ __all__ = [
     "TensorShardSpec",
     "TensorStorageMetadata",
     "is_data_file_name",
+    "keys_under",
 ]
 
 FORMAT_VERSION = 1
 METADATA_FILENAME = "metadata.json"
 _DATA_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
+
+
+def keys_under(keys: Iterable[str], prefix: str | None) -> dict[str, str]:
+    """Name -> stored key for the keys that start with ``prefix``, the prefix removed (all keys
+    as they are when ``prefix`` is None)."""
+    pre = prefix or ""
+    return {key[len(pre) :]: key for key in keys if key.startswith(pre)}
 
 
 def is_data_file_name(name: str) -> bool:
