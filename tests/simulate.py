@@ -14,15 +14,17 @@ from shardsafe.planning.save_plan import TensorDesc, plan_save
 from shardsafe.storage import open_storage
 
 
-def simulate_save(location: str, per_rank: list[dict[str, Any]], *, split_bytes: int | None = None) -> StorageMetadata:
+def simulate_save(
+    location: str, per_rank: list[dict[str, Any]], *, split_bytes: int | None = None, knobs=KNOBS
+) -> StorageMetadata:
     storage = open_storage(location)
     locals_, descs = [], []
     for sd in per_rank:
         tensors, _ = describe_state(sd)
         locals_.append({t.key: t for t in tensors})
         descs.append([TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors])
-    plan = plan_save(descs, save_id="5eed", split_bytes=KNOBS.replica_split_bytes if split_bytes is None else split_bytes)
-    crcs = [_write_file(storage, plan.ranks[r], locals_[r], KNOBS) for r in range(len(per_rank))]
-    meta = _build_metadata(plan, crcs, ({}, {}))
+    plan = plan_save(descs, save_id="5eed", split_bytes=knobs.replica_split_bytes if split_bytes is None else split_bytes)
+    sums = [_write_file(storage, plan.ranks[r], locals_[r], knobs) for r in range(len(per_rank))]
+    meta = _build_metadata(plan, sums, ({}, {}), knobs.checksum_block_bytes)
     storage.put_atomic(METADATA_FILENAME, meta.to_json(), overwrite=True)
     return meta

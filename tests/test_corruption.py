@@ -6,6 +6,8 @@ same tests run on a local directory and on a ``memory://`` store.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import re
 import struct
@@ -17,10 +19,13 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe import Checkpointer, CorruptCheckpointError, IncompleteCheckpointError
+from shardsafe import Checkpointer, CorruptCheckpointError, IncompleteCheckpointError, ShardedTensor
 from shardsafe.knobs import Knobs
 from shardsafe.storage import open_storage
 from shardsafe.storage.local import LocalStorage
+
+from .sealing import seal
+from .simulate import simulate_save
 
 META = "metadata.json"
 
@@ -84,7 +89,8 @@ def _meta(location: str) -> dict[str, Any]:
 
 
 def _put_meta(location: str, meta: dict[str, Any] | bytes) -> None:
-    raw = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
+    """Replace metadata.json: raw bytes as given, a document re-sealed with its checksum."""
+    raw = meta if isinstance(meta, bytes) else seal(meta)
     _rewrite(location, META, raw)
 
 
@@ -256,6 +262,7 @@ def test_data_file_outside_checkpoint_is_refused_and_nothing_read(
 
 
 SPEC = object()  # a path step: the single chunk spec of tensor "w"
+_ONE_BLOCK = base64.b64encode(bytes(8)).decode()  # the checksums of a chunk of one block
 
 
 def _spec_of(m: dict[str, Any], key: str = "w") -> dict[str, Any]:
@@ -269,9 +276,9 @@ def _split_rows(m: dict[str, Any], first: tuple[int, int], second: tuple[int, in
     spec = _spec_of(m)
     start = spec["byte_range"][0]
     specs = []
-    for i, (lo, hi) in enumerate((first, second)):
+    for lo, hi in (first, second):
         n = (hi - lo) * 5 * 4
-        specs.append({**spec, "name": f"w@{lo},0", "global_offset": [lo, 0], "local_shape": [hi - lo, 5], "byte_range": [start, start + n], "crc32c": i})
+        specs.append({**spec, "name": f"w@{lo},0", "global_offset": [lo, 0], "local_shape": [hi - lo, 5], "byte_range": [start, start + n], "checksums": _ONE_BLOCK})
         start += n
     m["tensors"]["w"]["shard_spec_per_file"][file] = specs
 
@@ -333,11 +340,18 @@ _INVALID: dict[str, tuple[Any, str]] = {
     "no-tensors": (_drop(("tensors",)), "(?s)invalid checkpoint metadata.*tensors"),
     "no-shape": (_drop(("tensors", "w", "shape")), "(?s)invalid checkpoint metadata.*shape"),
     "no-dtype": (_drop(("tensors", "w", "dtype")), "(?s)invalid checkpoint metadata.*dtype"),
-    "no-crc": (_drop((SPEC, "crc32c")), "(?s)invalid checkpoint metadata.*crc32c"),
+    "no-checksums": (_drop((SPEC, "checksums")), "(?s)invalid checkpoint metadata.*'w'.*needs checksums"),
+    "v1-crc-in-v2": (_set((SPEC, "crc32c"), 5), "(?s)invalid checkpoint metadata.*'w'.*needs checksums and no crc32c"),
+    "checksums-short": (_set((SPEC, "checksums"), "AAAA"), "(?s)invalid checkpoint metadata.*'w'.*4 characters of checksums, expected 12"),
+    "checksums-not-base64": (_set((SPEC, "checksums"), "!" * 12), "(?s)invalid checkpoint metadata.*checksums"),
+    "no-checksum-config": (_drop(("checksum",)), "(?s)invalid checkpoint metadata.*lacks the 'checksum' field"),
+    "unknown-algorithm": (_set(("checksum", "algorithm"), "md5"), "(?s)invalid checkpoint metadata.*unknown checksum algorithm 'md5'"),
+    "block-bytes-odd": (_set(("checksum", "block_bytes"), 1000), "(?s)invalid checkpoint metadata.*block_bytes"),
+    "no-files-table": (_drop(("files",)), "(?s)invalid checkpoint metadata.*lacks the 'files' field"),
+    "files-table-differs": (lambda m: m["files"].update({"other.safetensors": {"size": 100, "header": "0" * 16}}), "(?s)invalid checkpoint metadata.*differ in \\['other.safetensors'\\]"),
+    "header-digest-not-hex": (lambda m: next(iter(m["files"].values())).update(header="XYZ"), "(?s)invalid checkpoint metadata.*header"),
     "no-byte-range": (_drop((SPEC, "byte_range")), "(?s)invalid checkpoint metadata.*byte_range"),
     "shape-not-ints": (_set(("tensors", "w", "shape"), ["a", "b"]), "(?s)invalid checkpoint metadata.*shape"),
-    "crc-negative": (_set((SPEC, "crc32c"), -1), "(?s)invalid checkpoint metadata.*crc32c"),
-    "crc-too-big": (_set((SPEC, "crc32c"), 1 << 32), "(?s)invalid checkpoint metadata.*crc32c"),
     "unknown-field": (_set((SPEC, "surprise"), 1), "(?s)invalid checkpoint metadata.*surprise"),
     "unknown-dtype": (_set(("tensors", "w", "dtype"), "float128"), "(?s)metadata\\.json.*float128"),
     "byte-range-short": (_shift_byte_range(0, -4), r"(?s)'w'.*byte range.*does not hold 160 bytes"),
@@ -380,11 +394,11 @@ def test_newer_format_version_asks_for_upgrade(saved: str, extra: dict[str, Any]
     """A checkpoint from a newer shardsafe is refused with 'upgrade', even when the newer
     format added fields that this version does not know."""
     m = _meta(saved)
-    m["format_version"] = 2
+    m["format_version"] = 3
     m.update(extra)
     _put_meta(saved, m)
     for op in ("get_metadata", "load", "unshard", "verify"):
-        with pytest.raises(CorruptCheckpointError, match=r"(?s)metadata\.json.*format_version 2.*upgrade"):
+        with pytest.raises(CorruptCheckpointError, match=r"(?s)metadata\.json.*format_version 3.*upgrade"):
             _OPERATIONS[op](saved)
 
 
@@ -417,15 +431,18 @@ def _header_as_list(raw: bytes) -> bytes:
     return raw[:8] + b"[" + b" " * (n - 2) + b"]" + raw[8 + n :]
 
 
+_DIGEST = "not a valid safetensors file: header checksum mismatch: metadata says [0-9a-f]{16}, the header hashes to"
 _HEADER_DAMAGE = {
-    "json-garbled": (lambda raw: raw[:8] + b"X" + raw[9:], "not a valid safetensors file"),
-    "not-an-object": (_header_as_list, "not a valid safetensors file.*not a JSON object"),
-    "dtype-code-changed": (_replace_in_header(b'"F32"', b'"I32"'), r"(?s)'w'.*header has"),
-    "entry-renamed": (_replace_in_header(b'"w":', b'"v":'), r"(?s)'w'.*header has None"),
-    "shape-changed": (_replace_in_header(b"[8,5]", b"[5,8]"), r"(?s)'w'.*header has"),
-    "length-zero": (_set_header_length(0), "not a valid safetensors file"),
-    "length-past-end": (_set_header_length("past-end"), "not a valid safetensors file"),
-    "length-huge": (_set_header_length(1 << 62), "not a valid safetensors file"),
+    # every change to the header's bytes breaks its digest, recorded in metadata.json
+    "json-garbled": (lambda raw: raw[:8] + b"X" + raw[9:], _DIGEST),
+    "not-an-object": (_header_as_list, _DIGEST),
+    "dtype-code-changed": (_replace_in_header(b'"F32"', b'"I32"'), _DIGEST),
+    "entry-renamed": (_replace_in_header(b'"w":', b'"v":'), _DIGEST),
+    "shape-changed": (_replace_in_header(b"[8,5]", b"[5,8]"), _DIGEST),
+    "padding-changed": (lambda raw: raw[: 8 + struct.unpack("<Q", raw[:8])[0] - 1] + b"\t" + raw[8 + struct.unpack("<Q", raw[:8])[0] :], _DIGEST),
+    "length-zero": (_set_header_length(0), _DIGEST),
+    "length-past-end": (_set_header_length("past-end"), "not a valid safetensors file: header length .* runs past the file's size"),
+    "length-huge": (_set_header_length(1 << 62), "not a valid safetensors file: header length .* exceeds"),
 }
 
 
@@ -446,3 +463,60 @@ def test_corrupt_safetensors_header_is_reported_by_verify(saved: str, case: str)
     assert not report.ok
     assert report.errors and all(file in e for e in report.errors)
     assert any(re.search(pattern, e) for e in report.errors)
+
+
+# --- every byte a load returns is verified, whatever the layout ---------------------------
+
+
+_BLOCK_KNOBS = dataclasses.replace(Knobs.from_env(), checksum_block_bytes=4096, read_block_bytes=1 << 16)
+
+
+def _resharding_targets(full: torch.Tensor) -> dict[str, Any]:
+    """Target pieces that read parts of stored chunks: rows across chunk edges, columns,
+    a flat range, a single element."""
+    rows, cols = full.shape
+    return {
+        "rows-across-edge": ShardedTensor("m", torch.zeros(rows // 2, cols), full.shape, (rows // 4, 0), (rows // 2, cols)),
+        "columns": ShardedTensor("m", torch.zeros(rows, 3), full.shape, (0, 5), (rows, 3)),
+        "flat": ShardedTensor("m", torch.zeros(1000), full.shape, (0, 0), full.shape, flattened_range=slice(2000, 3000)),
+        "one-element": ShardedTensor("m", torch.zeros(1, 1), full.shape, (rows - 1, cols - 1), (1, 1)),
+    }
+
+
+def _slice_of(full: torch.Tensor, st: ShardedTensor) -> torch.Tensor:
+    box = full[tuple(slice(o, o + n) for o, n in zip(st.global_offset, st.local_shape))]
+    if st.flattened_range is not None:
+        return box.reshape(-1)[st.flattened_range]
+    return box
+
+
+@pytest.mark.parametrize("stored", ["rows", "flat-ranges"])
+def test_every_partial_read_checks_the_blocks_it_returns(tmp_path: Path, stored: str) -> None:
+    """Flip one byte per trial anywhere in a data section: each target that reads the damaged
+    element fails naming file and key; each that does not is bit-exact."""
+    full = torch.randn(96, 40, generator=torch.Generator().manual_seed(3))  # 15 KiB: 4 blocks of 4 KiB
+    if stored == "rows":
+        per_rank = [{"m": ShardedTensor.from_rank_offsets("m", c.clone(), (0, r, 2))} for r, c in enumerate(full.chunk(2))]
+    else:  # flattened ranges that are not boxes (FSDP1, distributed optimizers)
+        flat = full.reshape(-1)
+        cuts = [(0, 1234), (1234, flat.numel())]
+        per_rank = [{"m": ShardedTensor("m", flat[a:b].clone(), full.shape, (0, 0), full.shape, flattened_range=slice(a, b))} for a, b in cuts]
+    d = str(tmp_path / "ckpt")
+    meta = simulate_save(d, per_rank, knobs=_BLOCK_KNOBS)
+    chunks = list(meta.tensors["m"].chunks())
+    rng = torch.Generator().manual_seed(11)
+    for _ in range(40):
+        file, spec = chunks[int(torch.randint(len(chunks), (1,), generator=rng))]
+        pos = int(torch.randint(spec.byte_range[1] - spec.byte_range[0], (1,), generator=rng))
+        _flip_byte(d, file, spec.byte_range[0] + pos)
+        for name, st in _resharding_targets(full).items():
+            try:
+                Checkpointer(knobs=_BLOCK_KNOBS).load(d, {"m": st}, no_dist=True)
+            except CorruptCheckpointError as e:
+                assert "'m'" in str(e) and file in str(e), (name, str(e))
+                continue
+            # loaded: it must be exact, and it must not have read the damaged block
+            assert torch.equal(st.data, _slice_of(full, st)), (name, pos)
+        with pytest.raises(CorruptCheckpointError, match=rf"(?s){re.escape(file)}.*'m'"):
+            shardsafe.verify(d)
+        _flip_byte(d, file, spec.byte_range[0] + pos)  # undo

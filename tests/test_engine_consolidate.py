@@ -249,7 +249,7 @@ def test_damaged_row_chunk_is_caught_on_the_direct_path(tmp_path):
         f.seek(spec.byte_range[1] - 1)
         f.write(bytes([b[0] ^ 0x80]))
     with pytest.raises(
-        CorruptCheckpointError, match=rf"^key 't1': checksum mismatch in chunk {re.escape(file)}:{re.escape(spec.name)}: "
+        CorruptCheckpointError, match=rf"^key 't1': checksum mismatch in chunk {re.escape(file)}:{re.escape(spec.name)}, bytes \[0, "
     ):
         shardsafe.unshard_to_safetensors(d, tmp_path / "o.safetensors", knobs=_SMALL)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]

@@ -1,7 +1,7 @@
 """docs/format.md is enough to read a checkpoint: an independent reader, checked against saves.
 
-``read_checkpoint`` below follows only docs/format.md. It uses json, struct, torch.frombuffer and
-crc32c, and nothing from shardsafe's format, planning or engine modules. The tests save tensors
+``read_checkpoint`` below follows only docs/format.md. It uses json, struct, torch.frombuffer,
+xxhash and crc32c, and nothing from shardsafe's format, planning or engine modules. The tests save tensors
 through shardsafe's public API (in one process, or on real gloo ranks) and require the reader to
 rebuild every tensor bit for bit. They also check the byte layout that the document promises,
 and that the reader and shardsafe refuse the same damaged checkpoints.
@@ -25,12 +25,14 @@ import struct
 import crc32c
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 
 import shardsafe
 from shardsafe import ShardedTensor
 
 from .distributed import run_ranks
+from .sealing import seal
 
 # ---------------------------------------------------------------------------------------------
 # The independent reader: docs/format.md §2, §3, §4, §5, §6, §8.
@@ -45,14 +47,43 @@ class SpecError(Exception):
     """The directory is not a valid checkpoint according to docs/format.md."""
 
 
+def _check_chunk(c: dict, raw: bytes, meta: dict, where: str) -> None:
+    """§6: v1 one CRC32C per chunk; v2 one XXH3-64 per block of checksum.block_bytes."""
+    if meta["format_version"] == 1:
+        if crc32c.crc32c(raw) != c["crc32c"]:
+            raise SpecError(f"{where}: checksum mismatch")
+        return
+    bb = meta["checksum"]["block_bytes"]
+    digests = base64.b64decode(c["checksums"], validate=True)
+    blocks = [raw[i : i + bb] for i in range(0, len(raw), bb)]
+    if len(digests) != 8 * len(blocks):
+        raise SpecError(f"{where}: {len(digests) // 8} checksums for {len(blocks)} blocks")
+    for i, block in enumerate(blocks):
+        if xxhash.xxh3_64_intdigest(block) != int.from_bytes(digests[8 * i : 8 * i + 8], "little"):
+            raise SpecError(f"{where}: checksum mismatch in block {i}")
+
+
+def _load_metadata(path: str) -> dict:
+    """§3.5: metadata.json, its own checksum checked (v2)."""
+    with open(os.path.join(path, "metadata.json"), "rb") as fh:
+        raw = fh.read()
+    meta = json.loads(raw)
+    if meta["format_version"] not in (1, 2):
+        raise SpecError(f"format_version {meta['format_version']} is not supported")
+    if meta["format_version"] == 2:
+        body, sep, tail = raw.rpartition(b',"metadata_checksum":"')
+        if not sep or not re.fullmatch(rb'[0-9a-f]{16}"}', tail):
+            raise SpecError("metadata.json does not end with its metadata_checksum")
+        if f"{xxhash.xxh3_64_intdigest(body):016x}".encode() != tail[:16]:
+            raise SpecError("metadata.json: checksum mismatch")
+    return meta
+
+
 def read_checkpoint(path: str, *, allow_pickle: bool = False) -> dict:
     """Every tensor whole, and every object, from the checkpoint at ``path``."""
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise SpecError(f"{path}: no metadata.json, not a committed checkpoint")
-    with open(os.path.join(path, "metadata.json"), "rb") as fh:
-        meta = json.load(fh)
-    if meta["format_version"] != 1:
-        raise SpecError(f"format_version {meta['format_version']} is not supported")
+    meta = _load_metadata(path)
     files: dict[str, tuple[bytes, int, dict]] = {}
     out: dict = {}
     for key, t in meta["tensors"].items():
@@ -68,6 +99,10 @@ def read_checkpoint(path: str, *, allow_pickle: bool = False) -> dict:
                 with open(os.path.join(path, file), "rb") as fh:
                     data = fh.read()
                 (n,) = struct.unpack("<Q", data[:8])
+                if meta["format_version"] == 2:  # §3.1: the file's size and its header's digest
+                    info = meta["files"][file]
+                    if len(data) != info["size"] or f"{xxhash.xxh3_64_intdigest(data[: 8 + n]):016x}" != info["header"]:
+                        raise SpecError(f"{file}: size or header checksum mismatch")
                 files[file] = (data, n, json.loads(data[8 : 8 + n]))
             data, n, header = files[file]
             for c in chunks:
@@ -86,8 +121,7 @@ def read_checkpoint(path: str, *, allow_pickle: bool = False) -> dict:
                 if entry != [begin, end] or end > len(data) or end - begin != dest.numel() * size:
                     raise SpecError(f"{key}: chunk {c['name']}: byte range {[begin, end]} is inconsistent")
                 raw = data[begin:end]
-                if crc32c.crc32c(raw) != c["crc32c"]:
-                    raise SpecError(f"{key}: chunk {c['name']} in {file}: checksum mismatch")
+                _check_chunk(c, raw, meta, f"{key}: chunk {c['name']} in {file}")
                 if bool(seen[dest].any()):
                     raise SpecError(f"{key}: chunks overlap")
                 seen[dest] = True
@@ -130,8 +164,8 @@ def _metadata(path: str) -> dict:
 
 
 def _write_metadata(path: str, meta: dict) -> None:
-    with open(os.path.join(path, "metadata.json"), "w") as fh:
-        json.dump(meta, fh)
+    with open(os.path.join(path, "metadata.json"), "wb") as fh:
+        fh.write(seal(meta))  # an edit made on purpose keeps a valid metadata_checksum
 
 
 def _chunks(meta: dict, key: str) -> list[dict]:
@@ -326,7 +360,8 @@ def test_data_files_are_the_documented_safetensors_layout(flat_ckpt, sharded_ckp
             assert text.startswith("{") and set(text[len(text.rstrip(" ")) :]) <= {" "}
             assert len(text) - len(text.rstrip(" ")) < 8
             header = json.loads(text)
-            assert header.pop("__metadata__") == {"format": "pt", "shardsafe_format_version": "1"}
+            assert header.pop("__metadata__") == {"format": "pt", "shardsafe_format_version": "2"}
+            assert meta["files"][file] == {"size": len(data), "header": f"{xxhash.xxh3_64_intdigest(data[: 8 + n]):016x}"}
             assert set(header) == set(chunks)
             pos = 0  # entries back to back, in header order, to the end of the file
             for name, entry in header.items():
@@ -336,7 +371,7 @@ def test_data_files_are_the_documented_safetensors_layout(flat_ckpt, sharded_ckp
                 assert [8 + n + x for x in entry["data_offsets"]] == c["byte_range"]
                 fr = c["flattened_range"]
                 assert entry["shape"] == (c["local_shape"] if fr is None else [fr[1] - fr[0]])
-                assert crc32c.crc32c(data[slice(*c["byte_range"])]) == c["crc32c"]
+                _check_chunk(c, data[slice(*c["byte_range"])], meta, name)
             assert 8 + n + pos == len(data)
             with safe_open(os.path.join(path, file), "pt") as st:  # any safetensors reader opens it
                 assert set(st.keys()) == set(chunks)
@@ -346,10 +381,14 @@ def test_data_files_are_the_documented_safetensors_layout(flat_ckpt, sharded_ckp
                     assert bytes(got.contiguous().reshape(-1).view(torch.uint8).numpy()) == raw, name
 
 
-def test_crc32c_is_castagnoli():
+def test_crc32c_is_castagnoli():  # format v1's checksum
     assert crc32c.crc32c(b"123456789") == 0xE3069283
     assert crc32c.crc32c(b"") == 0
-    assert crc32c.crc32c(bytes.fromhex("c03f00c0")) == 2947229673  # the bias chunk of docs/format.md §10.2
+
+
+def test_xxh3_64_is_the_documented_digest():  # format v2's: XXH3-64, seed 0
+    assert xxhash.xxh3_64_intdigest(b"") == 0x2D06800538D394C2
+    assert xxhash.xxh3_64_intdigest(bytes.fromhex("c03f00c0")) == 0xDDE8B3E1D8D0442D  # docs/format.md §10.2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,9 +443,33 @@ def test_refuses_corrupt_chunk_bytes(sharded_ckpt, tmp_path):
 def test_refuses_newer_format_version(sharded_ckpt, tmp_path):
     path = _copy(sharded_ckpt, tmp_path)
     meta = _metadata(path)
-    meta["format_version"] = 2
+    meta["format_version"] = 3
     _write_metadata(path, meta)
-    _both_refuse(path, "format_version 2 is not supported", shardsafe.CorruptCheckpointError, "is newer than this shardsafe reads")
+    _both_refuse(path, "format_version 3 is not supported", shardsafe.CorruptCheckpointError, "is newer than this shardsafe reads")
+
+
+def test_refuses_edited_metadata(sharded_ckpt, tmp_path):
+    path = _copy(sharded_ckpt, tmp_path)
+    with open(os.path.join(path, "metadata.json"), "rb") as fh:
+        raw = fh.read()
+    with open(os.path.join(path, "metadata.json"), "wb") as fh:  # rename a key, leave the checksum
+        fh.write(raw.replace(b'"w":{"shape"', b'"v":{"shape"'))
+    _both_refuse(path, "metadata.json: checksum mismatch", shardsafe.CorruptCheckpointError, "checksum mismatch: metadata_checksum says")
+
+
+def test_refuses_edited_header(sharded_ckpt, tmp_path):
+    path = _copy(sharded_ckpt, tmp_path)
+    file = sorted(_metadata(path)["files"])[0]
+    with open(os.path.join(path, file), "r+b") as fh:  # a padding space becomes a tab: JSON stays valid
+        (n,) = struct.unpack("<Q", fh.read(8))
+        fh.seek(8 + n - 1)
+        assert fh.read(1) in (b" ", b"}")
+        fh.seek(8 + n - 1)
+        fh.write(b"\t" if n else b" ")
+    with pytest.raises(SpecError, match="header checksum mismatch"):
+        read_checkpoint(path)
+    with pytest.raises(shardsafe.CorruptCheckpointError, match="header checksum mismatch"):
+        shardsafe.verify(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,7 +554,7 @@ def test_regression_flat_chunk_beside_intersecting_box(tmp_path):
 def test_regression_newer_version_with_new_field_says_upgrade(sharded_ckpt, tmp_path):
     path = _copy(sharded_ckpt, tmp_path)
     meta = _metadata(path)
-    meta["format_version"] = 2
+    meta["format_version"] = 3
     meta["new_field"] = {}
     _write_metadata(path, meta)
     with pytest.raises(shardsafe.CorruptCheckpointError, match="is newer than this shardsafe reads"):

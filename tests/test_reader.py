@@ -1,4 +1,4 @@
-"""The reader moves only the bytes a target needs, with bounded scratch, into any target view."""
+"""The reader moves only the checksum blocks a target needs, with bounded scratch, into any target view."""
 
 from __future__ import annotations
 
@@ -36,18 +36,30 @@ def test_same_layout_reads_exactly_the_chunk(tmp_path):
     assert torch.equal(target, full[16:32])
 
 
-def test_resharded_load_reads_only_needed_bytes_without_coalescing(tmp_path):
+def test_strided_load_reads_the_blocks_it_touches(tmp_path):
     full = torch.randn(64, 1024)
-    simulate_save(str(tmp_path), _rows(full, 4))
+    # 16 KiB checksum blocks: 4 rows of 4 KiB each
+    simulate_save(str(tmp_path), _rows(full, 4), knobs=dataclasses.replace(KNOBS, checksum_block_bytes=16 << 10))
     target = torch.empty(64, 256)  # Shard(1) of 4: a strided quarter of every stored row
     n = _read(str(tmp_path), ShardedTensor.from_rank_offsets("m", target, (1, 2, 4)), coalesce_gap_bytes=0)
-    assert n == 64 * 256 * 4
     assert torch.equal(target, full[:, 512:768])
-    # with gaps under the threshold, the reader fetches the span instead (fewer, larger reads)
-    target2 = torch.empty(64, 256)
-    n2 = _read(str(tmp_path), ShardedTensor.from_rank_offsets("m", target2, (1, 2, 4)), coalesce_gap_bytes=4096)
-    assert torch.equal(target2, full[:, 512:768])
-    assert n2 == 4 * (15 * 1024 + 256) * 4  # per stored chunk: first needed element to last
+    # a quarter of every row touches every block: every byte is read (and checked), even with no coalescing
+    assert n == 64 * 1024 * 4
+
+
+def test_partial_chunk_reads_whole_blocks_at_both_ends(tmp_path):
+    full = torch.randn(64, 1024)
+    simulate_save(str(tmp_path), _rows(full, 2), knobs=dataclasses.replace(KNOBS, checksum_block_bytes=16 << 10))
+    target = torch.empty(12, 1024)  # rows [18, 30): blocks of rows [16, 20) ... [28, 32)
+    n = _read(str(tmp_path), _rows_at(target, 18, 64), read_block_bytes=1 << 16)
+    assert torch.equal(target, full[18:30])
+    assert n == 16 * 1024 * 4  # rows [16, 32): the partial end blocks and the whole ones between
+
+
+def _rows_at(target, start, total):
+    return ShardedTensor(
+        key="m", data=target, local_shape=tuple(target.shape), global_shape=(total, target.shape[1]), global_offset=(start, 0),
+    )
 
 
 def test_small_scratch_budget_splits_reads_and_stays_exact(tmp_path):

@@ -13,7 +13,7 @@ computed first and written before any tensor byte; then the tensors follow in fi
 
 Peak memory is the ring (64 MiB at the default block size), plus the largest tensor of the
 second kind and the reader's bounded scratch if there is one. Every chunk read whole is checked
-against its CRC32C. The output is written to a temporary file beside ``out_path``, fsynced, and
+against its checksums before it is written. The output is written to a temporary file beside ``out_path``, fsynced, and
 renamed into place (then the directory is fsynced): a crash leaves no file or the complete one.
 Needs no process group; call it from one process.
 """
@@ -30,7 +30,7 @@ import torch
 
 from ..adapters import describe_state
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, MissingKeyError, StorageError
-from ..format.checksum import crc32c
+from ..format.checksum import ChunkSums
 from ..format.dtypes import SAFETENSORS_CODE
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, keys_under
 from ..format.safetensors_file import FileEntry, layout_file
@@ -71,7 +71,7 @@ def unshard_to_safetensors(
     Peak memory is four blocks of ``knobs.write_block_bytes`` (64 MiB by default) when every
     chunk is a run of rows (as FSDP / ``Shard(0)`` saves them); tensors saved in other layouts
     add the largest of them and ``knobs.read_buffer_bytes`` of scratch. Every chunk is checked
-    against its CRC32C. The file appears atomically and durably (fsynced
+    against its checksums. The file appears atomically and durably (fsynced
     temporary file, renamed); an existing ``out_path`` is replaced only with ``overwrite=True``.
     Needs no process group.
 
@@ -116,22 +116,18 @@ def unshard_to_safetensors(
                     key, tm = tensors[name]
                     runs = directs[name]
                     if runs is not None:
-                        for file, start, nbytes, crc, chunk in runs:
-                            got = 0
-                            for pos in range(0, nbytes, block):
-                                view = byte_view(ring[slot][: min(block, nbytes - pos)])
-                                slot = (slot + 1) % _RING
-                                try:
+                        for file, start, nbytes, sums in runs:
+                            check = sums.stream()
+                            try:
+                                for pos in range(0, nbytes, block):
+                                    view = byte_view(ring[slot][: min(block, nbytes - pos)])
+                                    slot = (slot + 1) % _RING
                                     storage.read_into(file, start + pos, [view])
-                                except CorruptCheckpointError as e:
-                                    raise CorruptCheckpointError(f"key {key!r}: {e}") from None
-                                got = crc32c(view, got)
-                                behind.write(view)
-                            if got != crc:
-                                raise CorruptCheckpointError(
-                                    f"key {key!r}: checksum mismatch in chunk {chunk}: stored crc32c {crc:#010x}, "
-                                    f"read {got:#010x}; the file is damaged"
-                                )
+                                    check.update(view)  # before the bytes are handed on
+                                    behind.write(view)
+                                check.finish()
+                            except CorruptCheckpointError as e:
+                                raise CorruptCheckpointError(f"key {key!r}: {e}") from None
                         continue
                     behind.flush()  # the buffer's last tensor is written: reuse it
                     target = buf[: entry.nbytes].view(tm.torch_dtype).view(tm.shape)
@@ -184,9 +180,9 @@ def _select(
     return tensors, values, skipped
 
 
-def _direct_runs(tm: TensorStorageMetadata) -> list[tuple[str, int, int, int, str]] | None:
+def _direct_runs(tm: TensorStorageMetadata) -> list[tuple[str, int, int, ChunkSums]] | None:
     """If every chunk of ``tm`` is one contiguous run of the row-major tensor: the chunks as
-    (file, byte start, bytes, crc32c, name) in output order. Else None."""
+    (file, byte start, bytes, checksums) in output order. Else None."""
     shape = tuple(tm.shape)
     strides = row_major_strides(shape)
     itemsize = tm.torch_dtype.itemsize
@@ -200,7 +196,7 @@ def _direct_runs(tm: TensorStorageMetadata) -> list[tuple[str, int, int, int, st
         if any(lens[d] != shape[d] for d in range(k + 1, len(lens))):
             return None  # the box skips part of a row: not one run
         first = sum(o * s for o, s in zip(off, strides)) + (spec.flattened_range[0] if spec.flattened_range else 0)
-        runs.append((first, (file, spec.byte_range[0], n * itemsize, spec.crc32c, f"{file}:{spec.name}")))
+        runs.append((first, (file, spec.byte_range[0], n * itemsize, tm.chunk_sums(file, spec))))
     runs.sort(key=lambda r: r[0])
     return [r for _, r in runs]
 

@@ -1,29 +1,33 @@
 """Load execution: read plans run as ranged reads, straight into target memory where possible.
 
-Read items run on a small thread pool. An item whose source bytes are contiguous and whose
-target is contiguous CPU memory is read in place (``preadv`` into the tensor); when it is
-larger than ``read_block_bytes`` its blocks are read concurrently while the calling thread
-chains the checksum over the blocks already read. Otherwise the bytes go through a per-thread
-scratch buffer, bounded by ``read_buffer_bytes / io_threads``, and are copied into the target
-view. Strided source boxes are read as one span when the gaps are small
-(``coalesce_gap_bytes``), else run by run. :meth:`Reader.load_tensors` keeps reads of later
-tensors going while earlier ones are checked.
+Every byte a load returns is verified: a read item (a box of one stored chunk) is widened to
+the whole checksum blocks of its chunk that it touches, and those blocks are checked before
+their bytes are used. An item whose bytes are one contiguous run and whose target is
+contiguous CPU memory reads its whole blocks in place (``preadv`` into the tensor), in pieces
+of about ``read_block_bytes`` run concurrently on a small thread pool, each piece checked by
+the thread that read it; the partial blocks at either end go through a per-thread scratch
+buffer. Any other item (strided source boxes, non-contiguous or non-CPU targets) reads its
+block span into scratch, bounded by ``read_buffer_bytes / io_threads``, checks it and copies
+the box out. :meth:`Reader.load_tensors` keeps reads of later tensors going while earlier
+ones finish.
+
+Format v1 stored one CRC32C per chunk: a v1 chunk is one block, so a part of it is verified by
+reading the whole chunk when that fits the scratch budget; a part of a larger v1 chunk is read
+exactly and cannot be verified (re-save in v2 to cover it).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from math import prod
 
 import torch
 
 from ..adapters import LocalTensor
 from ..errors import CorruptCheckpointError
-from ..format.checksum import crc32c
 from ..format.metadata import TensorStorageMetadata
 from ..knobs import Knobs
 from ..planning.geometry import row_major_strides
@@ -33,15 +37,7 @@ from .buffers import Scratch, byte_view, can_read_into
 
 __all__ = ["Reader"]
 
-_WINDOW = 64  # jobs in flight in load_tensors (in-place reads need no memory; scratch is per thread)
-
-
-@dataclass(slots=True)
-class _Pending:
-    target: LocalTensor
-    parts: list[ReadItem]
-    views: list[memoryview]  # in-place blocks, checksummed by _finish; empty for a whole job
-    futures: list[Future] = field(default_factory=list)
+_WINDOW = 64  # tasks in flight in load_tensors (in-place reads need no memory; scratch is per thread)
 
 
 class Reader:
@@ -56,7 +52,7 @@ class Reader:
         self.block = max(knobs.read_block_bytes, 1 << 16)
         self.scratch = Scratch(self.budget)
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        self.bytes_read = 0  # bytes fetched from storage, over-reads of coalesced gaps included
+        self.bytes_read = 0  # bytes fetched from storage, over-reads of blocks and coalesced gaps included
         self._count_lock = threading.Lock()
 
     def __enter__(self) -> Reader:
@@ -75,27 +71,28 @@ class Reader:
     def load_tensors(self, pairs: Iterable[tuple[TensorStorageMetadata, LocalTensor]]) -> None:
         """Fill every target from its stored chunks; all are complete (or an error raised) on return.
 
-        Reads of later targets go on while the checksums of earlier ones are computed; at most
-        about ``_WINDOW`` jobs are in flight. On an error, reads already started finish (they
-        write into target memory) before it is raised.
+        Reads of later targets go on while earlier ones finish; at most about ``_WINDOW`` tasks
+        are in flight. On an error, reads already started finish (they write into target
+        memory) before it is raised.
         """
-        pending: deque[_Pending] = deque()
+        pending: deque[tuple[str, Future]] = deque()
         try:
             for meta, target in pairs:
-                for job in self._plan(meta, target):
-                    pending.append(self._start(job, target))
-                    while len(pending) > _WINDOW:
-                        self._finish(pending.popleft())
+                for item in self._plan(meta, target):
+                    for task in self._tasks(item, target):
+                        pending.append((target.key, self._submit(task)))
+                        while len(pending) > _WINDOW:
+                            self._finish(*pending.popleft())
             while pending:
-                self._finish(pending.popleft())
+                self._finish(*pending.popleft())
         except BaseException:
-            futures = [f for p in pending for f in p.futures]
+            futures = [f for _, f in pending]
             for f in futures:
                 f.cancel()
             wait(futures)
             raise
 
-    def _plan(self, meta: TensorStorageMetadata, target: LocalTensor) -> list[list[ReadItem]]:
+    def _plan(self, meta: TensorStorageMetadata, target: LocalTensor) -> list[ReadItem]:
         items, covered = plan_reads(StoredIndex(meta), target.pieces)
         for (off, lens, flat), got in zip(target.pieces, covered):
             need = prod(lens) if flat is None else flat[1] - flat[0]
@@ -105,61 +102,24 @@ class Reader:
                     f"{list(off)} shape {list(lens)}; its chunks do not tile the tensor"
                 )
         itemsize = target.dtype.itemsize
-        return [self._split(item, itemsize, target) for item in items]
+        return [part for item in items for part in self._split(item, itemsize, target)]
 
-    def _start(self, parts: list[ReadItem], target: LocalTensor) -> _Pending:
-        """Start one job: in-place blocks on the pool (checksum later, here), else the whole job."""
-        itemsize = target.dtype.itemsize
-        if self.pool is None:
-            return _Pending(target, parts, [], self._done(self._run_job, parts, itemsize, target))
-        if len(parts) == 1:
-            item = parts[0]
-            dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
-            n_runs, run_elems, first, _ = _src_runs(item)
-            nbytes = run_elems * itemsize
-            if n_runs == 1 and nbytes > self.block and can_read_into(dst):
-                buf = byte_view(dst)
-                offset = item.src_start + first * itemsize
-                views = [buf[pos : pos + self.block] for pos in range(0, nbytes, self.block)]
-                futures = [
-                    self.pool.submit(self.storage.read_into, item.file, offset + i * self.block, [v])
-                    for i, v in enumerate(views)
-                ]
-                return _Pending(target, parts, views, futures)
-        return _Pending(target, parts, [], [self.pool.submit(self._run_job, parts, itemsize, target)])
-
-    @staticmethod
-    def _done(fn, *args) -> list[Future]:
+    def _submit(self, task: Callable[[], None]) -> Future:
+        if self.pool is not None:
+            return self.pool.submit(task)
         f: Future = Future()
         try:
-            f.set_result(fn(*args))
+            f.set_result(task())
         except BaseException as e:  # noqa: BLE001 - raised by _finish, in order
             f.set_exception(e)
-        return [f]
+        return f
 
-    def _finish(self, p: _Pending) -> None:
-        """Wait for one job; for in-place blocks, chain and check the checksum here."""
+    @staticmethod
+    def _finish(key: str, f: Future) -> None:
         try:
-            if not p.views:
-                p.futures[0].result()
-                return
-            item = p.parts[0]
-            crc = 0
-            for view, f in zip(p.views, p.futures):
-                f.result()
-                if item.crc32c is not None:
-                    crc = crc32c(view, crc)
-            self._count(sum(v.nbytes for v in p.views))
-            if item.crc32c is not None and crc != item.crc32c:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in chunk {item.chunk}: stored crc32c {item.crc32c:#010x}, read {crc:#010x}; the file is damaged"
-                )
+            f.result()
         except CorruptCheckpointError as e:  # storage and checksum errors know the file, not the key
-            wait(p.futures)
-            raise CorruptCheckpointError(f"key {p.target.key!r}: {e}") from None
-        except BaseException:
-            wait(p.futures)  # blocks still being read write into the target: let them end first
-            raise
+            raise CorruptCheckpointError(f"key {key!r}: {e}") from None
 
     def _count(self, n: int) -> None:
         with self._count_lock:
@@ -168,22 +128,25 @@ class Reader:
     def _split(self, item: ReadItem, itemsize: int, target: LocalTensor) -> list[ReadItem]:
         """Cut an item along dim 0 so no part needs more scratch than the budget.
 
-        The parts of one item form one job and run in order; when the item reads a whole chunk,
-        their bytes are consecutive in the file and the chunk's checksum is chained over them.
+        Parts are independent: each is widened to whole checksum blocks on its own.
         """
         if not item.lengths or item.lengths[0] < 2:
             return [item]
+        sums = item.sums
+        if sums.block_bytes >= sums.nbytes and sums.nbytes <= self.budget:
+            return [item]  # a one-block chunk that fits: read it whole once and check it
         nbytes = prod(item.lengths) * itemsize
         row = nbytes // item.lengths[0]
         strided = _src_runs(item)[0] > 1
-        if strided:  # a coalesced read fetches whole source rows, gaps included: budget for those
+        if strided:  # a strided read fetches whole source rows, gaps included: budget for those
             row = max(row, prod(item.src_shape[1:]) * itemsize)
-        if row * item.lengths[0] <= self.budget:
+        room = self.budget - 2 * sums.block_bytes if sums.block_bytes < sums.nbytes else self.budget
+        if row * item.lengths[0] <= room:
             return [item]
         dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
         if not strided and can_read_into(dst):
-            return [item]  # read straight into the target: no scratch
-        step = max(1, self.budget // row)
+            return [item]  # read straight into the target: scratch only for the end blocks
+        step = max(1, room // row)
         out = []
         for r in range(0, item.lengths[0], step):
             n = min(step, item.lengths[0] - r)
@@ -191,40 +154,91 @@ class Reader:
                 ReadItem(
                     item.file, item.src_start, item.src_shape, (item.src_rel[0] + r, *item.src_rel[1:]), item.dst_piece,
                     item.dst_flat, item.dst_shape, (item.dst_rel[0] + r, *item.dst_rel[1:]), (n, *item.lengths[1:]),
-                    item.crc32c, item.chunk,
+                    item.chunk_start, item.sums, item.chunk,
                 )
             )
         return out
 
-    def _run_job(self, parts: list[ReadItem], itemsize: int, target: LocalTensor) -> None:
-        expected = parts[0].crc32c
-        crc = 0
-        for part in parts:
-            crc = self._run(part, itemsize, target, crc)
-        if expected is not None and crc != expected:
-            raise CorruptCheckpointError(
-                f"checksum mismatch in chunk {parts[0].chunk}: stored crc32c {expected:#010x}, read {crc:#010x}; the file is damaged"
-            )
-
-    def _run(self, item: ReadItem, itemsize: int, target: LocalTensor, crc: int) -> int:
-        """Copy one item into its target; returns ``crc`` extended over the bytes read when the
-        item belongs to a whole-chunk read (``item.crc32c`` set), else ``crc`` unchanged."""
+    def _tasks(self, item: ReadItem, target: LocalTensor) -> list[Callable[[], None]]:
+        """The reads that fill ``item``'s box, each checking the blocks it reads."""
+        itemsize = target.dtype.itemsize
         dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
+        n_runs, run_elems, first, _ = _src_runs(item)
+        strides = row_major_strides(item.src_shape)
+        seg = item.src_start - item.chunk_start  # the source segment's offset in its chunk
+        lo = seg + first * itemsize
+        if n_runs == 1:
+            hi = lo + run_elems * itemsize
+        else:
+            hi = seg + (sum((o + n - 1) * s for o, n, s in zip(item.src_rel, item.lengths, strides)) + 1) * itemsize
+        sums = item.sums
+        if hi <= lo:
+            return []
+        span_lo, span_hi = sums.aligned_span(lo, hi)
+        if n_runs == 1 and can_read_into(dst):
+            a, b = sums.aligned_inside(lo, hi)
+            if a < b:
+                out = self._in_place(item, byte_view(dst), lo, a, b)
+                if lo < a:
+                    out.append(lambda: self._via_scratch(item, dst, span_lo, a, lo, a, itemsize, byte_copy=True))
+                if b < hi:
+                    out.append(lambda: self._via_scratch(item, dst, b, span_hi, b, hi, itemsize, byte_copy=True))
+                return out
+        if span_hi - span_lo > self.budget and sums.block_bytes >= sums.nbytes and sums.algorithm == "crc32c":
+            return [lambda: self._run_unverified(item, itemsize, dst)]  # a part of a large v1 chunk
+        return [lambda: self._via_scratch(item, dst, span_lo, span_hi, lo, hi, itemsize, byte_copy=False)]
+
+    def _in_place(self, item: ReadItem, dst: memoryview, lo: int, a: int, b: int) -> list[Callable[[], None]]:
+        """Tasks reading whole blocks ``[a, b)`` of the chunk into ``dst`` (which starts at ``lo``)."""
+        bb = item.sums.block_bytes
+        piece = max(bb, self.block - self.block % bb)
+        out = []
+        for pos in range(a, b, piece):
+            end = min(b, pos + piece)
+            out.append(lambda pos=pos, view=dst[pos - lo : end - lo]: self._read_checked(item, pos, view))
+        return out
+
+    def _read_checked(self, item: ReadItem, pos: int, view: memoryview) -> None:
+        self.storage.read_into(item.file, item.chunk_start + pos, [view])
+        self._count(view.nbytes)
+        item.sums.check(pos, view)
+
+    def _via_scratch(
+        self, item: ReadItem, dst: torch.Tensor, span_lo: int, span_hi: int, lo: int, hi: int, itemsize: int, *, byte_copy: bool
+    ) -> None:
+        """Read blocks ``[span_lo, span_hi)`` of the chunk into scratch, check them, and copy out
+        the item's bytes (``[lo, hi)`` into the start of ``dst``'s bytes when ``byte_copy``, else
+        the item's box, which starts at ``lo``)."""
+        raw = self.scratch.get(span_hi - span_lo)
+        buf = byte_view(raw)
+        self.storage.read_into(item.file, item.chunk_start + span_lo, [buf])
+        self._count(buf.nbytes)
+        item.sums.check(span_lo, buf)
+        if byte_copy:
+            first = item.src_start - item.chunk_start + _src_runs(item)[2] * itemsize  # the item's first byte
+            out = byte_view(dst)
+            out[lo - first : hi - first] = buf[lo - span_lo : hi - span_lo]
+            return
+        strides = row_major_strides(item.src_shape)
+        src = raw[lo - span_lo :].view(dst.dtype).as_strided(item.lengths, strides)
+        with torch.no_grad():
+            dst.copy_(src)
+
+    def _run_unverified(self, item: ReadItem, itemsize: int, dst: torch.Tensor) -> None:
+        """Copy a part of a format-v1 chunk too large to read whole: exact reads, no checksum."""
         n_runs, run_elems, first, kp = _src_runs(item)
         if n_runs == 1:
             nbytes = run_elems * itemsize
             offset = item.src_start + first * itemsize
             if can_read_into(dst):
-                buf = byte_view(dst) if nbytes else memoryview(b"")
-                self.storage.read_into(item.file, offset, [buf])
+                self.storage.read_into(item.file, offset, [byte_view(dst)])
             else:
                 raw = self.scratch.get(nbytes)
-                buf = byte_view(raw)
-                self.storage.read_into(item.file, offset, [buf])
+                self.storage.read_into(item.file, offset, [byte_view(raw)])
                 with torch.no_grad():
-                    dst.copy_(raw.view(target.dtype).view(item.lengths))
+                    dst.copy_(raw.view(dst.dtype).view(item.lengths))
             self._count(nbytes)
-            return crc32c(buf, crc) if item.crc32c is not None else crc
+            return
         strides = row_major_strides(item.src_shape)
         last = sum((o + n - 1) * s for o, n, s in zip(item.src_rel, item.lengths, strides)) + 1
         span = (last - first) * itemsize
@@ -233,7 +247,7 @@ class Reader:
         if gap <= self.gap or span <= needed + self.gap:
             raw = self.scratch.get(span)
             self.storage.read_into(item.file, item.src_start + first * itemsize, [byte_view(raw)])
-            src = raw.view(target.dtype).as_strided(item.lengths, strides)
+            src = raw.view(dst.dtype).as_strided(item.lengths, strides)
             self._count(span)
         else:
             raw = self.scratch.get(needed)
@@ -250,11 +264,10 @@ class Reader:
             else:
                 for offset, buf in spans:
                     self.storage.read_into(item.file, offset, [buf])
-            src = raw.view(target.dtype).view(item.lengths)
+            src = raw.view(dst.dtype).view(item.lengths)
             self._count(needed)
         with torch.no_grad():
             dst.copy_(src)
-        return crc
 
 
 def _contiguous_tail(item: ReadItem) -> int:

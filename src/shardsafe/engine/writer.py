@@ -19,8 +19,15 @@ from .._gc import paused_gc
 from ..adapters import LocalTensor, describe_state
 from ..dist import Comm, raise_failures
 from ..errors import CheckpointError, CheckpointExistsError, StorageError
-from ..format.checksum import crc32c
-from ..format.metadata import METADATA_FILENAME, StorageMetadata, TensorShardSpec, TensorStorageMetadata
+from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
+from ..format.metadata import (
+    METADATA_FILENAME,
+    ChecksumConfig,
+    DataFileInfo,
+    StorageMetadata,
+    TensorShardSpec,
+    TensorStorageMetadata,
+)
 from ..knobs import Knobs
 from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name, plan_save
 from ..storage import Storage
@@ -68,7 +75,7 @@ def save_state(
         try:
             raise_failures(written, rank=comm.rank)  # type: ignore[arg-type]
             with paused_gc():
-                meta = _build_metadata(state["plan"], written, state["objects"])  # type: ignore[union-attr]
+                meta = _build_metadata(state["plan"], written, state["objects"], knobs.checksum_block_bytes)  # type: ignore[union-attr]
             raw = meta.to_json()
             try:
                 storage.put_atomic(METADATA_FILENAME, raw, overwrite=save_overwrite)
@@ -111,16 +118,17 @@ def _check_tensor_or_value(gathered: list) -> None:
         )
 
 
-def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTensor], knobs: Knobs) -> list[int]:
-    """Write this rank's data file; returns the CRC32C of each item, in order.
+def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTensor], knobs: Knobs) -> list[str]:
+    """Write this rank's data file; returns each item's block checksums (encoded), in order.
 
-    Blocks go to a write-behind thread, so the checksum of one block (and the device-to-host
-    copy of the next item) overlaps the write of the one before.
+    Blocks go to a write-behind thread, so the checksums of one block (and the device-to-host
+    copy of the next item) overlap the write of the one before.
     """
     if plan.file is None:
         return []
-    crcs = []
-    block = max(knobs.write_block_bytes, 1)
+    sums = []
+    cblock = knobs.checksum_block_bytes
+    block = max(cblock, knobs.write_block_bytes - knobs.write_block_bytes % cblock)  # whole checksum blocks
     with storage.write_file(plan.file) as out, WriteBehind(out) as behind:
         behind.write(memoryview(plan.header))
         for item in plan.items:
@@ -140,16 +148,21 @@ def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTen
                 raise CheckpointError(
                     f"key {item.key!r}: chunk {item.name!r} has {mv.nbytes} bytes, the plan expected {expected}"
                 )
-            crc = 0
+            digests: list[int] = []
             for pos in range(0, mv.nbytes, block):
                 part = mv[pos : pos + block]
                 behind.write(part)  # the view keeps ``data`` alive until it is written
-                crc = crc32c(part, crc)
-            crcs.append(crc)
-    return crcs
+                digest_blocks(part, cblock, digests)
+            sums.append(encode_digests(digests))
+    return sums
 
 
-def _build_metadata(plan: SavePlan, crcs: list[list[int]], objects: tuple[dict[str, Any], dict[str, str]]) -> StorageMetadata:
+def _build_metadata(
+    plan: SavePlan, sums: list[list[str]], objects: tuple[dict[str, Any], dict[str, str]], block_bytes: int
+) -> StorageMetadata:
+    files = {
+        rp.file: DataFileInfo(size=rp.size, header=file_digest(rp.header)) for rp in plan.ranks if rp.file is not None
+    }
     tensors = {}
     for key, tp in plan.tensors.items():
         per_file: dict[str, list[TensorShardSpec]] = {}
@@ -162,11 +175,17 @@ def _build_metadata(plan: SavePlan, crcs: list[list[int]], objects: tuple[dict[s
                 flattened_range=it.flat,
                 name=it.name,
                 byte_range=it.byte_range,
-                crc32c=crcs[rank][j],
+                checksums=sums[rank][j],
             )
             per_file.setdefault(rp.file, []).append(spec)  # type: ignore[arg-type]
         tensors[key] = TensorStorageMetadata(shape=tp.shape, dtype=tp.dtype, is_sharded=tp.is_sharded, shard_spec_per_file=per_file)
-    return StorageMetadata(tensors=tensors, objects=objects[0], pickled_objects=objects[1])
+    return StorageMetadata(
+        checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=block_bytes),
+        files=files,
+        tensors=tensors,
+        objects=objects[0],
+        pickled_objects=objects[1],
+    )
 
 
 def is_our_data_file(name: str) -> bool:

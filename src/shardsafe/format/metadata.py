@@ -3,7 +3,10 @@
 Follows the reference ``StorageMetadata`` / ``TensorStorageMetadata`` / ``TensorShardSpec``
 models, extended for this format: a file may hold several chunks of one tensor (so
 ``shard_spec_per_file`` maps a file to a *list* of specs), and each spec carries the entry name
-in the file, the absolute byte range and a CRC32C of the chunk's bytes.
+in the file, the absolute byte range and its checksums: in format v2 one digest per block of
+``checksum.block_bytes`` (v1: one CRC32C per chunk). Format v2 also lists every data file with
+its size and the digest of its safetensors header, and ends with a digest of the document
+itself (``metadata_checksum``), so that no byte of a checkpoint goes unchecked.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from math import prod
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_serializer
 
 from ..errors import CorruptCheckpointError, DtypeMismatchError
+from .checksum import ALGORITHMS, ChunkSums, file_digest
 from .dtypes import torch_dtype
 
 __all__ = [
+    "ChecksumConfig",
+    "DataFileInfo",
     "FORMAT_VERSION",
     "METADATA_FILENAME",
     "StorageMetadata",
@@ -30,8 +36,9 @@ __all__ = [
     "keys_under",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA_FILENAME = "metadata.json"
+_SELF_CHECKSUM = re.compile(rb',"metadata_checksum":"([0-9a-f]{16})"\}\Z')
 _DATA_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
 
 
@@ -62,8 +69,18 @@ class TensorShardSpec(BaseModel):
     """Entry name of the chunk inside its safetensors file."""
     byte_range: tuple[int, int]
     """Absolute ``[start, end)`` byte offsets of the chunk's data in its file."""
-    crc32c: int = Field(ge=0, lt=1 << 32)
-    """CRC32C of the chunk's bytes."""
+    crc32c: int | None = Field(default=None, ge=0, lt=1 << 32)
+    """Format v1: CRC32C of the chunk's bytes."""
+    checksums: str | None = Field(default=None, pattern=r"^[A-Za-z0-9+/]*={0,2}$")
+    """Format v2: base64 of the little-endian digest of each block of the chunk's bytes."""
+
+    @model_serializer(mode="wrap")
+    def _omit_other_version(self, handler):  # a chunk carries v1's crc32c or v2's checksums
+        out = handler(self)
+        for name in ("crc32c", "checksums"):
+            if out.get(name) is None:
+                out.pop(name, None)
+        return out
 
     @property
     def local_numel(self) -> int:
@@ -136,6 +153,7 @@ class TensorStorageMetadata(BaseModel):
     """Whether the tensor was sharded (not replicated) when saved."""
     shard_spec_per_file: dict[str, list[TensorShardSpec]]
     """Data file name -> the chunks of this tensor stored in it."""
+    _checksum: ChecksumConfig | None = PrivateAttr(default=None)  # the document's (v2); None for v1
 
     @field_validator("dtype")
     @classmethod
@@ -158,6 +176,17 @@ class TensorStorageMetadata(BaseModel):
             for spec in specs:
                 yield file, spec
 
+    def chunk_sums(self, file: str, spec: TensorShardSpec) -> ChunkSums:
+        """The checksums of one of this tensor's chunks (v1: one CRC32C over the whole chunk)."""
+        where = f"{file}:{spec.name}"
+        nbytes = spec.byte_range[1] - spec.byte_range[0]
+        cfg = self._checksum
+        if cfg is None:
+            return ChunkSums.whole(spec.crc32c, algorithm="crc32c", nbytes=nbytes, where=where)  # type: ignore[arg-type]
+        return ChunkSums.decode(
+            spec.checksums or "", algorithm=cfg.algorithm, block_bytes=cfg.block_bytes, nbytes=nbytes, where=where
+        )
+
     def get_flattened_offsets_in_file(self, filename: str) -> Iterator[tuple[int, int]]:
         for spec in self.shard_spec_per_file.get(filename, []):
             yield from spec.get_flattened_offsets(self.shape)
@@ -166,20 +195,71 @@ class TensorStorageMetadata(BaseModel):
         return sum(spec.local_numel for spec in self.shard_spec_per_file.get(filename, []))
 
 
+class ChecksumConfig(BaseModel):
+    """How chunk checksums are computed (format v2)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    algorithm: str
+    """Digest of each block: ``"xxh3-64"`` (XXH3, 64-bit, seed 0)."""
+    block_bytes: int = Field(ge=16, le=1 << 40, multiple_of=16)
+    """Each chunk is split into blocks of this many bytes (the last may be shorter)."""
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, v: str) -> str:
+        if v not in ALGORITHMS or v == "crc32c":
+            raise ValueError(f"unknown checksum algorithm {v!r} (this shardsafe knows 'xxh3-64')")
+        return v
+
+
+class DataFileInfo(BaseModel):
+    """A data file as a whole (format v2)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size: int = Field(ge=8, lt=1 << 62)
+    """The file's length in bytes."""
+    header: str = Field(pattern=r"^[0-9a-f]{16}$")
+    """XXH3-64 of the file's first ``8 + N`` bytes (the length and the padded JSON header), 16 hex digits."""
+
+
 class StorageMetadata(BaseModel):
     """The whole of ``metadata.json``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     format_version: int = FORMAT_VERSION
+    checksum: ChecksumConfig | None = None
+    """Format v2 (required there): how the chunks' ``checksums`` were computed."""
+    files: dict[str, DataFileInfo] | None = None
+    """Format v2 (required there): every data file, with its size and header digest."""
     tensors: dict[str, TensorStorageMetadata]
     objects: dict[str, Any] = {}
     """Non-tensor values, stored as JSON."""
     pickled_objects: dict[str, str] = {}
     """Non-tensor values that needed pickle (base64), present only if the saver opted in."""
 
+    def model_post_init(self, _context: Any) -> None:
+        for t in self.tensors.values():
+            t._checksum = self.checksum
+
+    @model_serializer(mode="wrap")
+    def _omit_v2_fields_in_v1(self, handler):
+        out = handler(self)
+        for name in ("checksum", "files"):
+            if out.get(name) is None:
+                out.pop(name, None)
+        return out
+
     def to_json(self) -> bytes:
-        return self.model_dump_json(indent=None).encode()
+        """The document as written: compact JSON whose last member, ``metadata_checksum``, is
+        the XXH3-64 of every byte before it (v2)."""
+        body = self.model_dump_json(indent=None).encode()
+        if self.format_version < 2:
+            return body
+        head = body[:-1]  # without the closing brace
+        return head + b',"metadata_checksum":"' + file_digest(head).encode() + b'"}'
 
     @classmethod
     def from_json(cls, raw: bytes, *, where: str) -> StorageMetadata:
@@ -195,6 +275,8 @@ class StorageMetadata(BaseModel):
             raise CorruptCheckpointError(
                 f"{where}: format_version {version} is newer than this shardsafe reads ({FORMAT_VERSION}); upgrade shardsafe"
             )
+        if version >= 2:
+            _check_self_checksum(raw, doc, where)
         try:
             meta = cls.model_validate(doc)
         except ValidationError as e:
@@ -204,6 +286,45 @@ class StorageMetadata(BaseModel):
 
     def data_files(self) -> set[str]:
         return {f for t in self.tensors.values() for f in t.shard_spec_per_file}
+
+    def _check_version_fields(self, where: str) -> None:
+        """v2 needs ``checksum``, ``files`` and per-chunk ``checksums``; v1 has none of them and a
+        ``crc32c`` per chunk."""
+        v2 = self.format_version >= 2
+        for name in ("checksum", "files"):
+            if (getattr(self, name) is None) == v2:
+                state = "lacks" if v2 else "has"
+                raise CorruptCheckpointError(
+                    f"{where}: invalid checkpoint metadata: format_version {self.format_version} metadata {state} the {name!r} field"
+                )
+        named = self.data_files()
+        if v2 and set(self.files) != named:  # type: ignore[arg-type]
+            raise CorruptCheckpointError(
+                f"{where}: invalid checkpoint metadata: the files table lists {sorted(set(self.files))[:5]}..., the chunks name "  # type: ignore[arg-type]
+                f"{sorted(named)[:5]}...; they differ in {sorted(set(self.files) ^ named)[:5]}"  # type: ignore[arg-type]
+            )
+        size = ALGORITHMS[self.checksum.algorithm].size if v2 else 0  # type: ignore[union-attr]
+        for key, t in self.tensors.items():
+            for file, spec in t.chunks():
+                if not v2:
+                    if spec.crc32c is None or spec.checksums is not None:
+                        raise CorruptCheckpointError(
+                            f"{where}: invalid checkpoint metadata: tensor {key!r}, chunk {spec.name!r} in {file!r}: a format_version 1 chunk needs "
+                            "crc32c and no checksums"
+                        )
+                    continue
+                if spec.checksums is None or spec.crc32c is not None:
+                    raise CorruptCheckpointError(
+                        f"{where}: invalid checkpoint metadata: tensor {key!r}, chunk {spec.name!r} in {file!r}: a format_version 2 chunk needs "
+                        "checksums and no crc32c"
+                    )
+                nbytes = spec.byte_range[1] - spec.byte_range[0]
+                blocks = -(-nbytes // self.checksum.block_bytes)  # type: ignore[union-attr]
+                if len(spec.checksums) != 4 * -(-blocks * size // 3):
+                    raise CorruptCheckpointError(
+                        f"{where}: invalid checkpoint metadata: tensor {key!r}, chunk {spec.name!r} in {file!r}: {len(spec.checksums)} characters "
+                        f"of checksums, expected {4 * -(-blocks * size // 3)} for {blocks} block(s)"
+                    )
 
     def _check(self, where: str) -> None:
         from ..planning.geometry import check_tiling
@@ -235,3 +356,21 @@ class StorageMetadata(BaseModel):
                 check_tiling(key, t.shape, pieces)
             except Exception as e:
                 raise CorruptCheckpointError(f"{where}: {e}") from None
+        self._check_version_fields(where)
+
+
+def _check_self_checksum(raw: bytes, doc: dict, where: str) -> None:
+    """Format v2: the document ends with ``,"metadata_checksum":"<16 hex>"}``, the XXH3-64 of
+    every byte before that member. Removes the member from ``doc``."""
+    m = _SELF_CHECKSUM.search(raw)
+    if m is None or doc.get("metadata_checksum") != m.group(1).decode():
+        raise CorruptCheckpointError(
+            f"{where}: invalid checkpoint metadata: it does not end with its metadata_checksum member; the file is damaged"
+        )
+    got = file_digest(raw[: m.start()])
+    if got != m.group(1).decode():
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch: metadata_checksum says {m.group(1).decode()}, the document hashes to {got}; "
+            "the file is damaged"
+        )
+    del doc["metadata_checksum"]

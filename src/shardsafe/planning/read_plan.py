@@ -11,6 +11,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from math import prod
 
+from ..format.checksum import ChunkSums
 from ..format.metadata import TensorStorageMetadata
 from .geometry import Piece, Shape, flat_segments, intersect
 
@@ -28,31 +29,43 @@ class ReadItem:
     dst_shape: Shape  # the target segment's box lengths
     dst_rel: Shape  # the copied box's offset inside the target segment
     lengths: Shape  # the copied box
-    crc32c: int | None  # the chunk's checksum when this item reads the whole chunk, else None
+    chunk_start: int  # absolute byte offset of the stored chunk's first byte
+    sums: ChunkSums  # the checksums of the chunk's blocks
     chunk: str  # "file:entry", to name in errors
 
 
 class StoredIndex:
-    """The stored segments of one tensor, sorted for overlap queries on dimension 0."""
+    """The stored segments of one tensor, sorted for overlap queries on dimension 0.
+
+    A segment is ``(offsets, lengths, file, absolute start byte, spec)``. Checksums are
+    decoded only for the chunks a read touches (:meth:`sums`).
+    """
 
     def __init__(self, meta: TensorStorageMetadata) -> None:
+        self.meta = meta
         self.itemsize = meta.torch_dtype.itemsize
+        self._sums: dict[int, ChunkSums] = {}
         segs = []
         for file, spec in meta.chunks():
             if spec.flattened_range is None:  # a box is its own single segment
-                segs.append((spec.global_offset, spec.local_shape, file, spec.byte_range[0], spec.crc32c, spec, file))
+                segs.append((spec.global_offset, spec.local_shape, file, spec.byte_range[0], spec))
                 continue
             lo, hi = spec.flattened_range
             parts = flat_segments(spec.local_shape, lo, hi)
-            whole = spec.crc32c if len(parts) == 1 else None
             for rel, lens, fs in parts:
                 off = tuple(o + r for o, r in zip(spec.global_offset, rel))
                 start = spec.byte_range[0] + (fs - lo) * self.itemsize
-                segs.append((off, lens, file, start, whole, spec, file))
+                segs.append((off, lens, file, start, spec))
         segs.sort(key=lambda s: s[0][:1])
         self.segments = segs
         self.starts = [s[0][0] if s[0] else 0 for s in segs]
         self.max_len0 = max((s[1][0] if s[1] else 1 for s in segs), default=0)
+
+    def sums(self, file: str, spec) -> ChunkSums:
+        got = self._sums.get(id(spec))
+        if got is None:
+            got = self._sums[id(spec)] = self.meta.chunk_sums(file, spec)
+        return got
 
     def overlapping(self, off: Shape, lens: Shape):
         if not off:
@@ -81,12 +94,11 @@ def plan_reads(index: StoredIndex, targets: list[Piece]) -> tuple[list[ReadItem]
             base = t_flat[0]
         for rel, lens, fs in t_segs:
             g_off = tuple(o + r for o, r in zip(t_off, rel))
-            for s_off, s_lens, file, s_start, crc, spec, _ in index.overlapping(g_off, lens):
+            for s_off, s_lens, file, s_start, spec in index.overlapping(g_off, lens):
                 hit = intersect(g_off, lens, s_off, s_lens)
                 if hit is None:
                     continue
                 h_off, h_lens = hit
-                whole = crc if h_lens == s_lens else None
                 items.append(
                     ReadItem(
                         file=file,
@@ -98,7 +110,8 @@ def plan_reads(index: StoredIndex, targets: list[Piece]) -> tuple[list[ReadItem]
                         dst_shape=lens,
                         dst_rel=tuple(h - g for h, g in zip(h_off, g_off)),
                         lengths=h_lens,
-                        crc32c=whole,
+                        chunk_start=spec.byte_range[0],
+                        sums=index.sums(file, spec),
                         chunk=f"{file}:{spec.name}",
                     )
                 )

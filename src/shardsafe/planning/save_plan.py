@@ -53,6 +53,11 @@ class RankWritePlan:
     header: bytes
     items: tuple[WriteItem, ...]
 
+    @property
+    def size(self) -> int:
+        """The data file's length in bytes."""
+        return self.items[-1].byte_range[1] if self.items else len(self.header)
+
 
 @dataclass(frozen=True, slots=True)
 class TensorPlan:
@@ -164,7 +169,7 @@ def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int) 
             shape_in_file = lens if flat is None else (flat[1] - flat[0],)
             name = _entry_name(key, shape, off, lens, flat, used)
             entries.append(FileEntry(name, code, shape_in_file, prod(shape_in_file) * itemsize))
-        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "1"})
+        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "2"})
         plan_items = []
         for j, ((key, idx, off, lens, flat), entry, br) in enumerate(zip(items, entries, layout.byte_ranges)):
             plan_items.append(WriteItem(key, idx, off, lens, flat, entry.name, br))
