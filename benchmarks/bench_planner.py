@@ -45,7 +45,9 @@ from math import prod
 
 from shardsafe._gc import paused_gc
 from shardsafe.engine.writer import _build_metadata
+from shardsafe.format.checksum import encode_digests
 from shardsafe.format.metadata import StorageMetadata
+from shardsafe.knobs import KNOBS
 from shardsafe.planning.geometry import Piece, chunk_bounds
 from shardsafe.planning.read_plan import StoredIndex, plan_reads
 from shardsafe.planning.save_plan import SavePlan, TensorDesc, plan_save
@@ -152,8 +154,12 @@ def build_all(builder: Builder, model, world: int) -> tuple[list[list[TensorDesc
 
 
 def metadata_from_plan(plan: SavePlan) -> StorageMetadata:
-    """What ``engine.writer`` commits, with every checksum 0 (no bytes are written here)."""
-    return _build_metadata(plan, [[0] * len(r.items) for r in plan.ranks], ({}, {}))
+    """What ``engine.writer`` commits, with every block digest 0 (no bytes are written here)."""
+    block = KNOBS.checksum_block_bytes
+    sums = [
+        [encode_digests([0] * -(-(it.byte_range[1] - it.byte_range[0]) // block)) for it in r.items] for r in plan.ranks
+    ]
+    return _build_metadata(plan, sums, ({}, {}), block)
 
 
 def fsdp_targets(meta: StorageMetadata, world: int, rank: int) -> dict[str, list[Piece]]:

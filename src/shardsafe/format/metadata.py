@@ -18,7 +18,7 @@ from math import prod
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from ..errors import CorruptCheckpointError, DtypeMismatchError
 from .checksum import ALGORITHMS, ChunkSums, file_digest
@@ -40,6 +40,10 @@ FORMAT_VERSION = 2
 METADATA_FILENAME = "metadata.json"
 _SELF_CHECKSUM = re.compile(rb',"metadata_checksum":"([0-9a-f]{16})"\}\Z')
 _DATA_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
+
+
+def _is_none(value: object) -> bool:  # fields of the other format version are not written
+    return value is None
 
 
 def keys_under(keys: Iterable[str], prefix: str | None) -> dict[str, str]:
@@ -69,18 +73,10 @@ class TensorShardSpec(BaseModel):
     """Entry name of the chunk inside its safetensors file."""
     byte_range: tuple[int, int]
     """Absolute ``[start, end)`` byte offsets of the chunk's data in its file."""
-    crc32c: int | None = Field(default=None, ge=0, lt=1 << 32)
+    crc32c: int | None = Field(default=None, ge=0, lt=1 << 32, exclude_if=_is_none)
     """Format v1: CRC32C of the chunk's bytes."""
-    checksums: str | None = Field(default=None, pattern=r"^[A-Za-z0-9+/]*={0,2}$")
+    checksums: str | None = Field(default=None, pattern=r"^[A-Za-z0-9+/]*={0,2}$", exclude_if=_is_none)
     """Format v2: base64 of the little-endian digest of each block of the chunk's bytes."""
-
-    @model_serializer(mode="wrap")
-    def _omit_other_version(self, handler):  # a chunk carries v1's crc32c or v2's checksums
-        out = handler(self)
-        for name in ("crc32c", "checksums"):
-            if out.get(name) is None:
-                out.pop(name, None)
-        return out
 
     @property
     def local_numel(self) -> int:
@@ -230,9 +226,9 @@ class StorageMetadata(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     format_version: int = FORMAT_VERSION
-    checksum: ChecksumConfig | None = None
+    checksum: ChecksumConfig | None = Field(default=None, exclude_if=_is_none)
     """Format v2 (required there): how the chunks' ``checksums`` were computed."""
-    files: dict[str, DataFileInfo] | None = None
+    files: dict[str, DataFileInfo] | None = Field(default=None, exclude_if=_is_none)
     """Format v2 (required there): every data file, with its size and header digest."""
     tensors: dict[str, TensorStorageMetadata]
     objects: dict[str, Any] = {}
@@ -243,14 +239,6 @@ class StorageMetadata(BaseModel):
     def model_post_init(self, _context: Any) -> None:
         for t in self.tensors.values():
             t._checksum = self.checksum
-
-    @model_serializer(mode="wrap")
-    def _omit_v2_fields_in_v1(self, handler):
-        out = handler(self)
-        for name in ("checksum", "files"):
-            if out.get(name) is None:
-                out.pop(name, None)
-        return out
 
     def to_json(self) -> bytes:
         """The document as written: compact JSON whose last member, ``metadata_checksum``, is
