@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .adapters.modules import ParamInfo, model_state
-from .adapters.optim import GROUPS_KEY, STATE_PREFIX, optim_state, optim_targets, split_state_key
+from .adapters.optim import GROUPS_KEY, STATE_PREFIX, check_param_groups, optim_state, optim_targets, split_state_key
 from .checkpointer import Checkpointer, _read_metadata
 from .dist import get_comm
 from .errors import CheckpointError, MissingKeyError
@@ -140,9 +140,10 @@ def unshard_optim_state(
     flat = Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix="optim.")
     if not flat and rank0_only and get_comm(no_dist).rank != 0:
         return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
-    groups = flat.pop(GROUPS_KEY[len("optim.") :], None)
-    if groups is None:
+    name = GROUPS_KEY[len("optim.") :]
+    if name not in flat:
         raise CheckpointError(f"{dir}: no optimizer state in the checkpoint (no {GROUPS_KEY!r})")
+    groups = check_param_groups(flat.pop(name), str(dir))
     fqns = {f for g in groups for f in g["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():

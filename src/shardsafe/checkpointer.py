@@ -9,6 +9,7 @@ import torch
 from ._gc import paused_gc
 from .adapters import LocalTensor, describe_state
 from .dist import Comm, get_comm
+from .engine.bounds import check_files_hold
 from .engine.objects import decode_objects
 from .engine.reader import Reader
 from .engine.writer import save_state
@@ -98,8 +99,10 @@ class Checkpointer:
             return {}
         device = torch.device(device) if device is not None else torch.device("cpu")
         out: dict[str, Any] = {}
+        selected = keys_under(meta.tensors, prefix)
+        check_files_hold(storage, ((key, meta.tensors[key]) for key in selected.values()))  # before allocating
         with Reader(storage, self.knobs, num_threads=num_threads) as reader:
-            for name, key in keys_under(meta.tensors, prefix).items():
+            for name, key in selected.items():
                 tm = meta.tensors[key]
                 full = torch.empty(tm.shape, dtype=tm.torch_dtype)
                 (target,), _ = describe_state({key: full})

@@ -38,6 +38,7 @@ from ..knobs import KNOBS, Knobs
 from ..planning.geometry import row_major_strides
 from ..storage import open_storage
 from ..storage.local import LocalStorage
+from .bounds import check_files_hold
 from .buffers import WriteBehind, byte_view
 from .reader import Reader
 
@@ -88,6 +89,7 @@ def unshard_to_safetensors(
     storage = open_storage(dir)
     meta = _read_metadata(storage, get_comm(no_dist=True))
     tensors, values, skipped = _select(meta, prefix, storage.url)
+    check_files_hold(storage, tensors.values())  # before allocating from their sizes
     file_meta = {FORMAT_TAG[0]: FORMAT_TAG[1], **{k: json.dumps(v, separators=(",", ":")) for k, v in values.items()}}
 
     # the official writer's order: larger itemsize first, then by name, so that every tensor
