@@ -19,8 +19,10 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe import Checkpointer, CorruptCheckpointError, PickleNotAllowedError
+from shardsafe import Checkpointer, CorruptCheckpointError, PickleNotAllowedError, ShardedTensor, ShardingError
 from shardsafe.storage import open_storage
+
+from .distributed import run_ranks
 
 META = "metadata.json"
 
@@ -269,3 +271,151 @@ def test_hyper_parameter_kept_as_a_tensor_must_be_stored_as_a_number(tmp_path: P
     assert all(torch.equal(a, b) for a, b in zip(before, [p.detach() for p in model.parameters()]))
     assert float(optim.param_groups[1]["lr"]) == pytest.approx(0.3)
 
+
+
+# --- load targets are the caller's memory ----------------------------------------------------
+
+
+def test_sharded_tensor_target_that_needs_a_copy_is_refused(tmp_path: Path) -> None:
+    """A ShardedTensor whose data cannot be viewed in its local_shape (a transposed buffer)
+    was reshaped into a copy, which the load filled: the caller's tensor stayed zero."""
+    d = str(tmp_path / "ckpt")
+    transposed = torch.arange(8, dtype=torch.float32).reshape(2, 4).t()  # (4, 2): not viewable as (2, 4)
+    w = transposed.reshape(2, 4)  # what the piece holds: its elements in order, in the local shape
+    Checkpointer().save(d, {"w": ShardedTensor("w", transposed, (2, 4), (0, 0), (2, 4))})  # a save may copy
+    target = torch.zeros(2, 4).t()
+    with pytest.raises(ShardingError, match=r"key 'w': a tensor of shape \[4, 2\] and strides \[1, 4\] cannot be viewed as shape \[2, 4\]"):
+        Checkpointer().load(d, {"w": ShardedTensor("w", target, (2, 4), (0, 0), (2, 4))})
+    assert not target.any()
+    flat = torch.zeros(8)
+    Checkpointer().load(d, {"w": ShardedTensor("w", flat, (2, 4), (0, 0), (2, 4))})  # a view: filled in place
+    assert torch.equal(flat.view(2, 4), w)
+    assert torch.equal(Checkpointer().unshard(d, no_dist=True)["w"], w)
+
+
+# --- tensor subclasses: known, carrying their own flat spec, or refused --------------------------
+
+
+class Foreign(torch.Tensor):
+    """A tensor subclass shardsafe knows nothing about."""
+
+
+class ForeignParameter(torch.nn.Parameter):
+    pass
+
+
+def test_unknown_tensor_subclass_is_refused_naming_key_and_class(tmp_path: Path) -> None:
+    d = str(tmp_path / "ckpt")
+    foreign = torch.arange(4.0).as_subclass(Foreign)
+    pattern = r"key 'w': a tests\.test_validation\.Foreign is a torch\.Tensor subclass shardsafe does not know"
+    with pytest.raises(ShardingError, match=pattern):
+        Checkpointer().save(d, {"w": foreign})
+    Checkpointer().save(d, {"w": torch.arange(4.0), "p": torch.nn.Parameter(torch.ones(2))})  # known: saved
+    with pytest.raises(ShardingError, match=pattern):
+        Checkpointer().load(d, {"w": torch.zeros(4).as_subclass(Foreign)})
+    model = torch.nn.Linear(2, 2)
+    model.weight = ForeignParameter(model.weight.detach().clone())
+    with pytest.raises(ShardingError, match=r"key 'model\.weight': a tests\.test_validation\.ForeignParameter is a torch\.Tensor subclass"):
+        shardsafe.save_model_and_optim_state(str(tmp_path / "model"), model)
+
+
+def _olmo_tensors() -> dict[str, tuple[torch.Tensor, Any]]:
+    """Full tensors and their OLMo-core sharding specs on 2 ranks (None: OLMo-core's even split)."""
+    from .olmo_flat import ShardingSpec
+
+    return {
+        "even": (torch.arange(30, dtype=torch.float32).reshape(5, 6) * 1.5, None),  # 15 + 15 elements
+        "uneven": (torch.arange(21, dtype=torch.int64).reshape(7, 3) - 4, None),  # 11 + 10
+        "two-ranges": (torch.arange(16, dtype=torch.bfloat16).reshape(4, 4), ShardingSpec((4, 4), (((0, 3), (9, 16)), ((3, 9),)))),
+    }
+
+
+def _olmo_save_and_load(rank: int, ws: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from .olmo_flat import ShardedFlatTensor
+
+    tensors = _olmo_tensors()
+    even, _ = tensors["even"]
+    Checkpointer().save(path + "-even", {"even": ShardedFlatTensor.shard(even)})  # stored rank 0's half, silently
+    Checkpointer().save(path, {k: ShardedFlatTensor.shard(full, spec) for k, (full, spec) in tensors.items()})
+    # into the same layout, in place
+    same = {k: ShardedFlatTensor.shard(torch.zeros_like(full), spec) for k, (full, spec) in tensors.items()}
+    ptrs = {k: t.data_ptr() for k, t in same.items()}
+    Checkpointer().load(path, same)
+    for k, (full, spec) in tensors.items():
+        want = ShardedFlatTensor.shard(full, spec).sharded_data
+        assert same[k].data_ptr() == ptrs[k] and torch.equal(same[k].sharded_data.view(torch.uint8), want.view(torch.uint8)), k
+    # into plain tensors, and into a DTensor sharded on dim 1
+    plain = {k: torch.zeros_like(full) for k, (full, _) in tensors.items()}
+    mesh = init_device_mesh("cpu", (ws,))
+    cols = {k: distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)]) for k, (full, _) in tensors.items()}
+    Checkpointer().load(path, plain)
+    Checkpointer().load(path, cols)
+    for k, (full, _) in tensors.items():
+        assert torch.equal(plain[k].view(torch.uint8), full.view(torch.uint8)), k
+        assert torch.equal(cols[k].full_tensor().view(torch.uint8), full.view(torch.uint8)), k
+
+
+def test_olmo_core_sharded_flat_tensors_round_trip_on_2_ranks(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _olmo_save_and_load, path)
+    even = Checkpointer().unshard(path + "-even", no_dist=True)["even"]
+    assert even.shape == (5, 6) and torch.equal(even, _olmo_tensors()["even"][0])
+    full = Checkpointer().unshard(path, no_dist=True)
+    for k, (want, _) in _olmo_tensors().items():
+        assert full[k].dtype == want.dtype and torch.equal(full[k].view(torch.uint8), want.view(torch.uint8)), k
+    meta = Checkpointer().get_metadata(path, no_dist=True)
+    assert all(t.is_sharded and len(list(t.chunks())) == 3 - (k != "two-ranges") for k, t in meta.tensors.items())
+
+
+def _olmo_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))  # 15 + 3 + 6 + 2 elements
+
+
+def _olmo_train_and_save(rank: int, ws: int, path: str) -> None:
+    from .olmo_flat import shard_module_
+
+    model = _olmo_model(0)
+    shard_module_(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.25, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    shardsafe.save_model_and_optim_state(path, model, optim)
+    # back into a differently initialised sharded model with a fresh optimizer, in place
+    fresh = _olmo_model(1)
+    shard_module_(fresh)
+    fresh_optim = torch.optim.SGD(fresh.parameters(), lr=1.0, momentum=0.0)
+    shardsafe.load_model_and_optim_state(path, fresh, fresh_optim)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p.sharded_data, q.sharded_data)
+    assert fresh_optim.param_groups[0]["lr"] == 0.25 and fresh_optim.param_groups[0]["momentum"] == 0.9
+    for q in fresh.parameters():
+        assert torch.equal(fresh_optim.state[q]["momentum_buffer"], torch.ones(q.numel()))
+
+
+def test_olmo_core_fsdp_model_and_optimizer_on_2_ranks_load_anywhere(tmp_path: Path) -> None:
+    """Parameters of OLMo-core's FSDP were taken for replicated tensors: rank 0's half was stored."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _olmo_train_and_save, path)
+    want = _olmo_model(0)
+    with torch.no_grad():
+        for p in want.parameters():
+            p.add_(torch.ones_like(p), alpha=-0.25)  # what SGD did to every shard
+    expected = dict(want.named_parameters())
+    weights = shardsafe.unshard_model_state(path)
+    assert weights.keys() == expected.keys()
+    for name, p in expected.items():
+        assert torch.equal(weights[name], p.detach()), name
+    optim_state = shardsafe.unshard_optim_state(path)
+    for name, p in expected.items():
+        assert torch.equal(optim_state["state"][name]["momentum_buffer"], torch.ones_like(p)), name
+    plain = _olmo_model(2)
+    plain_optim = torch.optim.SGD(plain.parameters(), lr=1.0, momentum=0.0)
+    shardsafe.load_model_and_optim_state(path, plain, plain_optim)
+    for (name, p), q in zip(expected.items(), plain.parameters()):
+        assert torch.equal(q.detach(), p.detach()), name
+        assert torch.equal(plain_optim.state[q]["momentum_buffer"], torch.ones_like(p)), name

@@ -67,7 +67,7 @@ class Checkpointer:
         meta = metadata if metadata is not None else _read_metadata(storage, comm)
 
         def run() -> dict[str, Any]:
-            tensors, objects = describe_state(state_dict)
+            tensors, objects = describe_state(state_dict, targets=True)
             _check_targets(meta, tensors, list(objects), storage.url)
             values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=self.allow_pickle, where=storage.url)
             with Reader(storage, self.knobs) as reader:
