@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 
 import shardsafe
 from shardsafe import Checkpointer, CorruptCheckpointError, PickleNotAllowedError, ShardedTensor, ShardingError
+from shardsafe.engine.buffers import Scratch
 from shardsafe.storage import open_storage
 
 from .distributed import run_ranks
@@ -419,3 +421,24 @@ def test_olmo_core_fsdp_model_and_optimizer_on_2_ranks_load_anywhere(tmp_path: P
     for (name, p), q in zip(expected.items(), plain.parameters()):
         assert torch.equal(q.detach(), p.detach()), name
         assert torch.equal(plain_optim.state[q]["momentum_buffer"], torch.ones_like(p)), name
+
+
+# --- scratch memory --------------------------------------------------------------------------
+
+
+def test_scratch_drops_its_old_buffer_before_allocating_a_larger_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Growing the per-thread scratch buffer held the old and the new one at once."""
+    scratch = Scratch(min_bytes=1 << 10)
+    first = scratch.get(1 << 10)
+    old = weakref.ref(first._base)
+    del first
+    old_alive_when_allocating = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        old_alive_when_allocating.append(old() is not None)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    assert scratch.get(1 << 20).numel() == 1 << 20
+    assert old_alive_when_allocating == [False]
