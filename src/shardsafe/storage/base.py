@@ -57,14 +57,14 @@ class Storage(Protocol):
         """Release open handles; the storage may be used again afterwards."""
 
 
-_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
+_SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)", re.DOTALL)  # fullmatch: a trailing newline is part of the path
 _ONE_SLASH_URL = re.compile(r"^([a-z][a-z0-9+.-]*):/", re.IGNORECASE)  # "s3:/bucket": a URL missing a slash
 _STORAGE_METHODS = ("write_file", "put_atomic", "read_into", "read", "list", "delete", "close")
 
 
 def url_scheme(location: str) -> str | None:
     """The lowercased scheme of a ``scheme://...`` URL, or None for a plain path."""
-    m = _SCHEME.match(location)
+    m = _SCHEME.fullmatch(location)
     return m.group(1).lower() if m else None
 
 
@@ -111,7 +111,7 @@ def open_storage(location: Location, **options: Any) -> Storage:
             raise TypeError("open_storage: options apply to a URL, not to a Storage already opened")
         return location
     loc = os.fspath(location)
-    m = _SCHEME.match(loc)
+    m = _SCHEME.fullmatch(loc)
     scheme = m.group(1).lower() if m else "file"
     from .cloud_config import OBJECT_SCHEMES, ObjectStoreOptions
 
