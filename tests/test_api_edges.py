@@ -720,3 +720,120 @@ def test_tied_weights_saved_once_and_stay_tied(tmp_path):
 
     with pytest.raises(shardsafe.MissingKeyError, match=r"\['output.weight'\]"):
         shardsafe.load_model_and_optim_state(str(tmp_path), _model(seed=7))  # an untied model needs both
+
+
+# --- 9. refusals at the entry points: nothing to unshard, URLs with one slash, wrong types ---------
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_unshard_of_a_prefix_no_key_starts_with_is_refused(tmp_path):
+    d = str(tmp_path / "ckpt")
+    shardsafe.Checkpointer().save(d, {"w": torch.ones(2), "step": 3})  # no model, no optimizer
+    with pytest.raises(
+        shardsafe.MissingKeyError,
+        match=rf"{d}: no model state in the checkpoint .*: {d}: no key starts with 'model\.'; the checkpoint holds 2 key\(s\), such as \['step', 'w'\]",
+    ):
+        shardsafe.unshard_model_state(d)
+    with pytest.raises(shardsafe.MissingKeyError, match=r"no optimizer state in the checkpoint .*no key starts with 'optim\.'"):
+        shardsafe.unshard_optim_state(d)
+    with pytest.raises(shardsafe.MissingKeyError, match=r"no key starts with 'layers\.'"):
+        shardsafe.Checkpointer().unshard(d, no_dist=True, prefix="layers.")
+    out = shardsafe.Checkpointer().unshard(d, no_dist=True, prefix="w")
+    assert list(out) == [""] and torch.equal(out[""], torch.ones(2))
+
+
+@pytest.mark.parametrize("url", ["s3:/bucket/ckpt", "gs:/bucket/ckpt", "file:/tmp/ckpt", "memory:/x"])
+def test_a_url_with_one_slash_is_refused_not_made_a_local_directory(tmp_path, monkeypatch, url):
+    monkeypatch.chdir(tmp_path)
+    scheme, rest = url.split(":/", 1)
+    fixed = f"{scheme}://{'/' if scheme == 'file' else ''}{rest}"
+    pattern = rf"{url}(/model\.safetensors)?: looks like a URL with one slash after '{scheme}:'; did you mean '{fixed}(/model\.safetensors)?'\?"
+    model, optim = _tiny()
+    d = str(tmp_path / "ckpt")
+    shardsafe.save_model_and_optim_state(d, model, optim)
+    for call in (
+        lambda: shardsafe.save_model_and_optim_state(url, model, optim),
+        lambda: shardsafe.load_model_and_optim_state(url, model, optim),
+        lambda: shardsafe.unshard_model_state(url),
+        lambda: shardsafe.verify(url),
+        lambda: shardsafe.unshard_to_safetensors(d, url + "/model.safetensors"),
+        lambda: shardsafe.unshard_to_safetensors(url, tmp_path / "model.safetensors"),
+    ):
+        with pytest.raises(shardsafe.StorageError, match=pattern):
+            call()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_unshard_to_safetensors_writes_to_a_url(tmp_path):
+    from safetensors.torch import load
+
+    model, optim = _tiny()
+    d = str(tmp_path / "ckpt")
+    shardsafe.save_model_and_optim_state(d, model, optim)
+    out = f"memory://export-{os.getpid()}-{id(tmp_path)}"
+    summary = shardsafe.unshard_to_safetensors(d, f"{out}/model.safetensors", prefix="model.")
+    store = shardsafe.storage.open_storage(out)
+    exported = load(store.read("model.safetensors"))
+    assert summary["tensors"] == 4 and exported.keys() == model.state_dict().keys()
+    for name, want in model.state_dict().items():
+        assert torch.equal(exported[name].view(torch.uint8), want.view(torch.uint8)), name
+    with pytest.raises(shardsafe.CheckpointExistsError, match=rf"{out}/model\.safetensors: object exists"):
+        shardsafe.unshard_to_safetensors(d, f"{out}/model.safetensors", prefix="model.")
+    shardsafe.unshard_to_safetensors(d, f"{out}/model.safetensors", overwrite=True)  # everything, replaced
+    assert set(load(store.read("model.safetensors"))) == {f"model.{n}" for n in model.state_dict()}
+    with pytest.raises(shardsafe.StorageError, match=r"an output URL needs a file name"):
+        shardsafe.unshard_to_safetensors(d, f"{out}/", overwrite=True)
+
+
+def test_unshard_to_safetensors_writes_to_an_object_store(tmp_path, monkeypatch):
+    from safetensors.torch import load
+
+    from .servers import cloud
+
+    c = cloud("s3")
+    for k, v in c.env.items():
+        monkeypatch.setenv(k, v)
+    model, optim = _tiny()
+    d = str(tmp_path / "ckpt")
+    shardsafe.save_model_and_optim_state(d, model, optim)
+    url = c.url()
+    shardsafe.unshard_to_safetensors(d, f"{url}/model.safetensors", prefix="model.")
+    exported = load(shardsafe.storage.open_storage(url).read("model.safetensors"))
+    for name, want in model.state_dict().items():
+        assert torch.equal(exported[name].view(torch.uint8), want.view(torch.uint8)), name
+    assert not (tmp_path / "s3:").exists() and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_public_arguments_of_the_wrong_type_are_named(tmp_path):
+    model, optim = _tiny()
+    d = str(tmp_path / "ckpt")
+    shardsafe.save_model_and_optim_state(d, model, optim)
+    cases = [
+        (lambda: shardsafe.load_model_and_optim_state(d, model, optim, validate="no"),
+         r"load_model_and_optim_state: argument 'validate' must be True or False, got str 'no'"),
+        (lambda: shardsafe.save_model_and_optim_state(d, model.state_dict()),
+         r"save_model_and_optim_state: argument 'model' must be a torch\.Module, got .*OrderedDict \(a state dict\? pass the module itself"),
+        (lambda: shardsafe.load_model_and_optim_state(d, optim),
+         r"argument 'model' must be a torch\.Module, got torch\.optim\.sgd\.SGD \(an optimizer\? the model comes first"),
+        (lambda: shardsafe.load_model_and_optim_state(d, model, model),
+         r"argument 'optim' must be a torch\.Optimizer or None, got torch\.nn\.modules\.container\.Sequential \(a model\?"),
+        (lambda: shardsafe.save_model_and_optim_state(d, model, optim, save_overwrite="yes"),
+         r"argument 'save_overwrite' must be True or False"),
+        (lambda: shardsafe.Checkpointer().save(d, [torch.ones(1)]), r"Checkpointer\.save: argument 'state_dict' must be a dict, got list"),
+        (lambda: shardsafe.Checkpointer().load(d, {}, no_dist="yes"), r"Checkpointer\.load: argument 'no_dist' must be True or False"),
+        (lambda: shardsafe.Checkpointer(allow_pickle=1), r"Checkpointer: argument 'allow_pickle' must be True or False, got int 1"),
+        (lambda: shardsafe.Checkpointer().unshard(d, rank0_only=None), r"Checkpointer\.unshard: argument 'rank0_only'"),
+        (lambda: shardsafe.unshard_model_state(d, device=0), r"unshard_model_state: argument 'device' must be a torch\.device or str or None, got int 0"),
+        (lambda: shardsafe.verify(d, collect_all="all"), r"verify: argument 'collect_all' must be True or False"),
+        (lambda: shardsafe.unshard_to_safetensors(d, tmp_path / "o.safetensors", overwrite="no"), r"unshard_to_safetensors: argument 'overwrite'"),
+        (lambda: shardsafe.Checkpointer().save({"w": torch.ones(1)}, {}), r"open_storage: argument 'location' must be a path, a URL or a Storage, got dict"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(TypeError, match=pattern):
+            call()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._args import check_arg, check_bool
 from .adapters.modules import ParamInfo, model_state
-from .adapters.optim import GROUPS_KEY, STATE_PREFIX, optim_state, optim_targets, split_state_key
+from .adapters.optim import GROUPS_KEY, STATE_PREFIX, check_param_groups, optim_state, optim_targets, split_state_key
 from .checkpointer import Checkpointer, _read_metadata
 from .dist import get_comm
 from .errors import CheckpointError, MissingKeyError
@@ -51,6 +52,8 @@ def save_model_and_optim_state(
     ``use_orig_params=True``; the result loads into any of them at any world size with
     :func:`load_model_and_optim_state`. Returns the files this rank wrote.
     """
+    _check_model_args("save_model_and_optim_state", model, optim, knobs)
+    check_bool("save_model_and_optim_state", "save_overwrite", save_overwrite)
     params, buffers = model_state(model)
     state = _model_values(params, buffers)
     if optim is not None:
@@ -78,6 +81,8 @@ def load_model_and_optim_state(
     additionally refuses a checkpoint that holds model or optimizer keys the targets lack
     (``MissingKeyError`` is raised either way for keys the targets need and the checkpoint lacks).
     """
+    _check_model_args("load_model_and_optim_state", model, optim, knobs)
+    check_bool("load_model_and_optim_state", "validate", validate)
     ckpt = Checkpointer(knobs=knobs)
     comm = get_comm()
     storage = open_storage(dir)
@@ -98,6 +103,18 @@ def load_model_and_optim_state(
     ckpt.load(storage, state, metadata=meta)  # the storage already opened: one client, not two
     if optim is not None:
         comm.check(lambda: holder["apply"](state))
+
+
+def _check_model_args(func: str, model: Any, optim: Any, knobs: Any) -> None:
+    check_arg(func, "model", model, nn.Module)
+    check_arg(func, "optim", optim, torch.optim.Optimizer, optional=True)
+    check_arg(func, "knobs", knobs, Knobs, optional=True)
+
+
+def _check_unshard_args(func: str, device: Any, rank0_only: Any, no_dist: Any) -> None:
+    check_arg(func, "device", device, (torch.device, str), optional=True)
+    check_bool(func, "rank0_only", rank0_only)
+    check_bool(func, "no_dist", no_dist)
 
 
 def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool) -> None:
@@ -123,9 +140,13 @@ def unshard_model_state(
     """The full model state dict (parameter name -> whole tensor) of a model/optimizer checkpoint.
 
     Needs no process group. With ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
-    collective at all. Only model tensors are read.
+    collective at all. Only model tensors are read; a checkpoint without any raises ``MissingKeyError``.
     """
-    return Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix=MODEL_PREFIX)
+    _check_unshard_args("unshard_model_state", device, rank0_only, no_dist)
+    try:
+        return Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix=MODEL_PREFIX)
+    except MissingKeyError as e:
+        raise MissingKeyError(f"{dir}: no model state in the checkpoint (was it saved by save_model_and_optim_state?): {e}") from None
 
 
 def unshard_optim_state(
@@ -137,12 +158,17 @@ def unshard_optim_state(
     Needs no process group. With ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
     collective at all. Only optimizer state is read.
     """
-    flat = Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix="optim.")
+    _check_unshard_args("unshard_optim_state", device, rank0_only, no_dist)
+    try:
+        flat = Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix="optim.")
+    except MissingKeyError as e:
+        raise MissingKeyError(f"{dir}: no optimizer state in the checkpoint (no {GROUPS_KEY!r}): {e}") from None
     if not flat and rank0_only and get_comm(no_dist).rank != 0:
         return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
-    groups = flat.pop(GROUPS_KEY[len("optim.") :], None)
-    if groups is None:
+    name = GROUPS_KEY[len("optim.") :]
+    if name not in flat:
         raise CheckpointError(f"{dir}: no optimizer state in the checkpoint (no {GROUPS_KEY!r})")
+    groups = check_param_groups(flat.pop(name), str(dir))
     fqns = {f for g in groups for f in g["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():

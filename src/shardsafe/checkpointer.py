@@ -6,9 +6,11 @@ from typing import Any
 
 import torch
 
+from ._args import check_arg, check_bool
 from ._gc import paused_gc
 from .adapters import LocalTensor, describe_state
 from .dist import Comm, get_comm
+from .engine.bounds import check_files_hold
 from .engine.objects import decode_objects
 from .engine.reader import Reader
 from .engine.writer import save_state
@@ -36,6 +38,8 @@ class Checkpointer:
     METADATA_FILENAME = METADATA_FILENAME
 
     def __init__(self, *, allow_pickle: bool = False, knobs: Knobs | None = None) -> None:
+        check_bool("Checkpointer", "allow_pickle", allow_pickle)
+        check_arg("Checkpointer", "knobs", knobs, Knobs, optional=True)
         self.allow_pickle = allow_pickle
         self.knobs = knobs or KNOBS
 
@@ -47,6 +51,8 @@ class Checkpointer:
         committed at ``dir`` and ``save_overwrite`` is False. With ``save_overwrite=True`` the
         old checkpoint stays loadable until the new one commits, then its files are removed.
         """
+        check_arg("Checkpointer.save", "state_dict", state_dict, dict)
+        check_bool("Checkpointer.save", "save_overwrite", save_overwrite)
         return save_state(
             open_storage(dir), state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle,
             comm=get_comm(), knobs=self.knobs,
@@ -61,12 +67,15 @@ class Checkpointer:
         their checksum, ``IncompleteCheckpointError`` when ``dir`` holds no committed checkpoint.
         Every element of every target tensor is overwritten, or an error is raised.
         """
+        check_arg("Checkpointer.load", "state_dict", state_dict, dict)
+        check_bool("Checkpointer.load", "no_dist", no_dist)
+        check_arg("Checkpointer.load", "metadata", metadata, StorageMetadata, optional=True)
         comm = get_comm(no_dist)
         storage = open_storage(dir)
         meta = metadata if metadata is not None else _read_metadata(storage, comm)
 
         def run() -> dict[str, Any]:
-            tensors, objects = describe_state(state_dict)
+            tensors, objects = describe_state(state_dict, targets=True)
             _check_targets(meta, tensors, list(objects), storage.url)
             values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=self.allow_pickle, where=storage.url)
             with Reader(storage, self.knobs) as reader:
@@ -89,8 +98,14 @@ class Checkpointer:
 
         Works in a plain process with no process group. With ``rank0_only`` only rank 0 reads
         and the other ranks get ``{}``; with ``no_dist`` no collective is used at all. With
-        ``prefix``, only the keys that start with it are read, and returned without it.
+        ``prefix``, only the keys that start with it are read, and returned without it; a prefix
+        that no key starts with raises ``MissingKeyError``.
         """
+        check_arg("Checkpointer.unshard", "device", device, (torch.device, str), optional=True)
+        check_bool("Checkpointer.unshard", "rank0_only", rank0_only)
+        check_bool("Checkpointer.unshard", "no_dist", no_dist)
+        check_arg("Checkpointer.unshard", "num_threads", num_threads, int, optional=True)
+        check_arg("Checkpointer.unshard", "prefix", prefix, str, optional=True)
         comm = get_comm(no_dist)
         storage = open_storage(dir)
         meta = _read_metadata(storage, comm)
@@ -98,20 +113,29 @@ class Checkpointer:
             return {}
         device = torch.device(device) if device is not None else torch.device("cpu")
         out: dict[str, Any] = {}
+        selected = keys_under(meta.tensors, prefix)
+        wanted = keys_under([*meta.objects, *meta.pickled_objects], prefix)
+        if prefix is not None and not selected and not wanted:
+            stored = sorted([*meta.tensors, *meta.objects, *meta.pickled_objects])
+            raise MissingKeyError(
+                f"{storage.url}: no key starts with {prefix!r}; the checkpoint holds {len(stored)} key(s)"
+                + (f", such as {stored[:5]}" if stored else "")
+            )
+        check_files_hold(storage, ((key, meta.tensors[key]) for key in selected.values()))  # before allocating
         with Reader(storage, self.knobs, num_threads=num_threads) as reader:
-            for name, key in keys_under(meta.tensors, prefix).items():
+            for name, key in selected.items():
                 tm = meta.tensors[key]
                 full = torch.empty(tm.shape, dtype=tm.torch_dtype)
                 (target,), _ = describe_state({key: full})
                 reader.load_tensor(tm, target)
                 out[name] = full if device.type == "cpu" else full.to(device)
-        wanted = keys_under([*meta.objects, *meta.pickled_objects], prefix)
         values = decode_objects(meta.objects, meta.pickled_objects, list(wanted.values()), allow_pickle=self.allow_pickle, where=storage.url)
         out.update((name, values[key]) for name, key in wanted.items())
         return out
 
     def get_metadata(self, dir: Location, no_dist: bool = False) -> StorageMetadata:
         """The checkpoint's metadata (read once by rank 0 and broadcast, unless ``no_dist``)."""
+        check_bool("Checkpointer.get_metadata", "no_dist", no_dist)
         return _read_metadata(open_storage(dir), get_comm(no_dist))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ._args import check_bool
 from .errors import CorruptCheckpointError
 from .format.checksum import file_digest
 from .format.dtypes import SAFETENSORS_CODE
@@ -40,6 +41,7 @@ def verify(dir: str | os.PathLike[str], *, collect_all: bool = False) -> VerifyR
     Raises ``CorruptCheckpointError`` at the first bad chunk, or with ``collect_all=True``
     returns a report listing every problem. Needs no process group.
     """
+    check_bool("verify", "collect_all", collect_all)
     storage = open_storage(dir)
     from .checkpointer import _read_metadata
     from .dist import get_comm

@@ -2,7 +2,10 @@
 
 Supported values: ``torch.Tensor`` / ``nn.Parameter`` (replicated: the same on every rank that
 holds the key), ``DTensor`` with Shard / _StridedShard / Replicate placements on any mesh,
-:class:`ShardedTensor`, and non-tensor values (returned separately, for the JSON store).
+:class:`ShardedTensor`, tensors that carry their own flat sharding spec (OLMo-core's
+``ShardedFlatTensor``, see :mod:`.flat_sharded`), and non-tensor values (returned separately, for
+the JSON store). Any other ``torch.Tensor`` subclass is refused: its sharding is unknown, and
+taking it for a replicated tensor could store one rank's part as the whole.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 from ..errors import CheckpointError, ShardingError
 from ..format.dtypes import dtype_name
 from ..planning.geometry import Piece, chunk_bounds
-from .sharded_tensor import ShardedTensor
+from .flat_sharded import flat_sharding
+from .sharded_tensor import ShardedTensor, view_as
 
 try:  # torch >= 2.4 ships DTensor here
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -43,8 +47,13 @@ class LocalTensor:
     views: list[torch.Tensor]  # piece box shaped, or 1-D for a flat piece; shares the value's memory
 
 
-def describe_state(state_dict: dict[str, Any]) -> tuple[list[LocalTensor], dict[str, Any]]:
-    """Split ``state_dict`` into tensors (described) and other values (returned as is)."""
+def describe_state(state_dict: dict[str, Any], *, targets: bool = False) -> tuple[list[LocalTensor], dict[str, Any]]:
+    """Split ``state_dict`` into tensors (described) and other values (returned as is).
+
+    With ``targets`` (the tensors are to be filled by a load) every view is a view of the
+    caller's memory, or ``ShardingError`` names the key: filling a copy would leave the caller's
+    tensor unchanged without an error. A save may describe a value through a copy.
+    """
     if not isinstance(state_dict, dict):
         raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     tensors: dict[str, LocalTensor] = {}
@@ -52,7 +61,7 @@ def describe_state(state_dict: dict[str, Any]) -> tuple[list[LocalTensor], dict[
     for name, value in state_dict.items():
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"state_dict keys must be non-empty strings, got {name!r}")
-        local = _describe(name, value)
+        local = _describe(name, value, targets)
         if local is None:
             objects[name] = value
             continue
@@ -65,24 +74,43 @@ def describe_state(state_dict: dict[str, Any]) -> tuple[list[LocalTensor], dict[
     return list(tensors.values()), objects
 
 
-def _describe(name: str, value: Any) -> LocalTensor | None:
+def _describe(name: str, value: Any, targets: bool) -> LocalTensor | None:
     if isinstance(value, ShardedTensor):
         _check_tensor(value.key, value.data)
         data = value.data.detach()
         flat = None
         if value.flattened_range is not None:
             flat = (value.flattened_range.start, value.flattened_range.stop)
-        else:
-            data = data.reshape(value.local_shape) if data.shape != value.local_shape else data
+        elif data.shape != value.local_shape:
+            data = view_as(data, value.local_shape, value.key) if targets else data.reshape(value.local_shape)
         piece = (value.global_offset, value.local_shape, flat)
         return LocalTensor(value.key, data.dtype, dtype_name(data.dtype, key=value.key), value.global_shape, [piece], [data])
     if DTensor is not None and isinstance(value, DTensor):
         return _describe_dtensor(name, value)
-    if isinstance(value, torch.Tensor):
-        _check_tensor(name, value)
-        shape = tuple(value.shape)
-        return LocalTensor(name, value.dtype, dtype_name(value.dtype, key=name), shape, [((0,) * len(shape), shape, None)], [value.detach()])
-    return None
+    if not isinstance(value, torch.Tensor):
+        return None
+    flat_spec = flat_sharding(name, value)
+    if flat_spec is not None:
+        _check_tensor(name, flat_spec.local)
+        pieces: list[Piece] = []
+        views: list[torch.Tensor] = []
+        pos = 0
+        for start, stop in flat_spec.ranges:
+            pieces.append(((0,) * len(flat_spec.shape), flat_spec.shape, (start, stop)))
+            views.append(flat_spec.local[pos : pos + stop - start])
+            pos += stop - start
+        dtype = flat_spec.local.dtype
+        return LocalTensor(name, dtype, dtype_name(dtype, key=name), flat_spec.shape, pieces, views)
+    if type(value) not in (torch.Tensor, torch.nn.Parameter):
+        cls = type(value)
+        raise ShardingError(
+            f"key {name!r}: a {cls.__module__}.{cls.__qualname__} is a torch.Tensor subclass shardsafe does not know, "
+            "so it cannot tell how the tensor is sharded; taking it for a replicated tensor could store one rank's "
+            "part as the whole. Pass a plain tensor, a DTensor or a shardsafe.ShardedTensor describing its part"
+        )
+    _check_tensor(name, value)
+    shape = tuple(value.shape)
+    return LocalTensor(name, value.dtype, dtype_name(value.dtype, key=name), shape, [((0,) * len(shape), shape, None)], [value.detach()])
 
 
 def _check_tensor(key: str, t: torch.Tensor) -> None:

@@ -8,7 +8,9 @@ the model's own memory, so filling them loads the model in place:
 - plain tensors (plain modules, DDP, buffers everywhere): replicated;
 - DTensors (FSDP2, HSDP, tensor parallel, FSDP2 + TP): as they are;
 - FSDP1 with ``use_orig_params=True``: each original parameter is a 1-D view on this rank's part
-  of the flat parameter, described as a flattened range of the full parameter.
+  of the flat parameter, described as a flattened range of the full parameter;
+- OLMo-core's FSDP (``ShardedFlatParameter``): a 1-D tensor carrying its own flat sharding spec,
+  described by that spec as a flattened range in the same way (:mod:`.flat_sharded`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 from torch import nn
 
 from ..errors import ShardingError
-from .sharded_tensor import ShardedTensor
+from .flat_sharded import flat_sharding
+from .sharded_tensor import ShardedTensor, view_as
 
 __all__ = ["ParamInfo", "model_params", "model_state"]
 
@@ -34,7 +37,7 @@ class ParamInfo:
 
     fqn: str
     tensor: torch.Tensor  # the module's own tensor: a Parameter, DTensor, buffer, or FSDP1 view
-    flat: tuple[tuple[int, ...], int, int] | None = None  # FSDP1: (full shape, start, stop) of this rank's part
+    flat: tuple[tuple[int, ...], int, int] | None = None  # FSDP1, OLMo-core: (full shape, start, stop) of this rank's part
 
     @property
     def holds_nothing(self) -> bool:
@@ -42,11 +45,12 @@ class ParamInfo:
         return self.flat is not None and self.flat[1] == self.flat[2]
 
     def sharded(self, key: str, value: torch.Tensor) -> Any:
-        """``value`` (the tensor or a same-shaped optimizer state) as a checkpoint value under ``key``."""
-        if self.flat is None:
-            return value
+        """``value`` (the tensor or a same-shaped optimizer state) as a checkpoint value under ``key``;
+        a flat value is described as a view of its memory (loads fill it in place)."""
+        if self.flat is None or flat_sharding(key, value) is not None:
+            return value  # plain, DTensor, or carrying its own flat spec
         shape, start, stop = self.flat
-        data = value.detach().reshape(-1)
+        data = view_as(value.detach(), (value.numel(),), key)
         return ShardedTensor(key, data, shape, (0,) * len(shape), shape, flattened_range=slice(start, stop))
 
 
@@ -59,8 +63,23 @@ def model_params(model: nn.Module) -> list[ParamInfo]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        out.append(ParamInfo(fqn, p, flat.get(id(p))))
+        out.append(ParamInfo(fqn, p, flat.get(id(p)) or _own_flat_range(fqn, p)))
     return out
+
+
+def _own_flat_range(fqn: str, p: torch.Tensor) -> tuple[tuple[int, ...], int, int] | None:
+    """(full shape, start, stop) for a parameter that carries its own flat sharding spec."""
+    spec = flat_sharding(fqn, p)
+    if spec is None:
+        return None
+    if len(spec.ranges) > 1:
+        raise ShardingError(
+            f"parameter {fqn!r} holds {len(spec.ranges)} flat ranges {[list(r) for r in spec.ranges]} on this rank; "
+            "parameters and their optimizer state are saved by name with at most one range per rank (a state "
+            "dict of such tensors saves with shardsafe.Checkpointer)"
+        )
+    start, stop = spec.ranges[0] if spec.ranges else (0, 0)
+    return spec.shape, start, stop
 
 
 def model_state(model: nn.Module) -> tuple[list[ParamInfo], list[ParamInfo]]:

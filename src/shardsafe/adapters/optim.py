@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ShapeMismatchError, ShardingError
+from ..errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError, ShardingError
 from ..format.metadata import StorageMetadata
 from .modules import ParamInfo
 
-__all__ = ["CLASS_KEY", "GROUPS_KEY", "STATE_PREFIX", "optim_state", "optim_targets", "split_state_key"]
+__all__ = ["CLASS_KEY", "GROUPS_KEY", "STATE_PREFIX", "check_param_groups", "optim_state", "optim_targets", "split_state_key"]
 
 STATE_PREFIX = "optim.state."
 GROUPS_KEY = "optim.param_groups"
@@ -101,9 +101,9 @@ def optim_targets(
 ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
     """Targets to fill from ``meta`` and a function that hands them (once filled) to ``optim``."""
     named = _named(optim, params)
-    stored_groups = meta.objects.get(GROUPS_KEY)
-    if not isinstance(stored_groups, list):
+    if GROUPS_KEY not in meta.objects:
         raise CheckpointError(f"{where}: no optimizer state in the checkpoint (no {GROUPS_KEY!r}); was it saved with an optimizer?")
+    stored_groups = check_param_groups(meta.objects[GROUPS_KEY], where, current=optim.param_groups)
     stored_class = meta.objects.get(CLASS_KEY)
     if strict and stored_class is not None and stored_class != _class_name(optim):
         raise CheckpointError(
@@ -188,6 +188,45 @@ def _target(current: Any, shape: tuple[int, ...], dtype: torch.dtype, info: Para
     ):
         return current
     return torch.empty_like(p.detach(), dtype=dtype)
+
+
+def check_param_groups(groups: Any, where: str, *, current: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """``groups`` (the stored ``optim.param_groups``) if it is well formed, else
+    ``CorruptCheckpointError`` naming the group index and the field: a list of objects, each
+    with ``params``, a list of non-empty parameter names that no other group lists. With
+    ``current`` (the target optimizer's param groups), a hyper-parameter that the optimizer
+    keeps as a tensor must be stored as a number, and one it keeps as a tuple as a list."""
+    if not isinstance(groups, list):
+        raise CorruptCheckpointError(f"{where}: {GROUPS_KEY!r} must be a list of param groups, found {_kind(groups)}")
+    owner: dict[str, int] = {}
+    for gi, group in enumerate(groups):
+        field = f"{GROUPS_KEY!r} group {gi}"
+        if not isinstance(group, dict):
+            raise CorruptCheckpointError(f"{where}: {field} must be an object of hyper-parameters and 'params', found {_kind(group)}")
+        params = group.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, str) and p for p in params):
+            raise CorruptCheckpointError(f"{where}: {field}, field 'params' must be a list of parameter names, found {_kind(params)}")
+        for name in params:
+            if name in owner:
+                again = "twice" if owner[name] == gi else f"and so does group {owner[name]}"
+                raise CorruptCheckpointError(f"{where}: {field}, field 'params' lists parameter {name!r} {again}")
+            owner[name] = gi
+        for key, value in group.items() if current is not None and gi < len(current) else ():
+            mine = current[gi].get(key)  # type: ignore[index]
+            if isinstance(mine, torch.Tensor) and (type(value) not in (int, float) or mine.numel() != 1):
+                raise CorruptCheckpointError(
+                    f"{where}: {field}, field {key!r}: the optimizer holds a tensor of {mine.numel()} element(s) there, "
+                    f"the checkpoint {_kind(value)}; only one number can be restored into it"
+                )
+            if isinstance(mine, tuple) and not isinstance(value, list):
+                raise CorruptCheckpointError(f"{where}: {field}, field {key!r}: the optimizer holds a tuple there, the checkpoint {_kind(value)}")
+    return groups
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"the number {value!r}"
+    return "nothing" if value is None else f"a {type(value).__name__}"
 
 
 def _check_groups(stored: list, current: list[list[str]], where: str, *, strict: bool) -> None:

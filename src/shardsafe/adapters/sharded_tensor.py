@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ShardingError
 
-__all__ = ["ShardedTensor"]
+__all__ = ["ShardedTensor", "view_as"]
 
 
 @dataclass
@@ -114,3 +114,17 @@ class ShardedTensor:
         return cls(
             key, data, box.global_shape, box.global_offset, box.local_shape, replica_id, prepend_axis_num, flattened_range
         )
+
+
+def view_as(data: torch.Tensor, shape: tuple[int, ...], key: str) -> torch.Tensor:
+    """``data`` viewed as ``shape``, sharing its memory, or ``ShardingError`` naming ``key``."""
+    try:
+        view = data.view(shape)
+    except RuntimeError:
+        raise ShardingError(
+            f"key {key!r}: a tensor of shape {list(data.shape)} and strides {list(data.stride())} cannot be viewed as "
+            f"shape {list(shape)} without a copy, and a load into a copy would leave it unchanged; pass a tensor "
+            f"whose memory is laid out as {list(shape)} (for example one of that shape)"
+        ) from None
+    return view
+

@@ -37,7 +37,8 @@ class Scratch:
     def get(self, nbytes: int) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < nbytes:
-            buf = None  # drop the old one first
+            # drop the old buffer (both references) before allocating: never hold old + new
+            buf = self._local.buf = None
             buf = torch.empty(max(nbytes, self._min), dtype=torch.uint8)
             self._local.buf = buf
         return buf[:nbytes]

@@ -24,10 +24,12 @@ import json
 import logging
 import os
 import uuid
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
+from .._args import check_arg, check_bool
 from ..adapters import describe_state
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, MissingKeyError, StorageError
 from ..format.checksum import ChunkSums
@@ -36,8 +38,10 @@ from ..format.metadata import StorageMetadata, TensorStorageMetadata, keys_under
 from ..format.safetensors_file import FileEntry, layout_file
 from ..knobs import KNOBS, Knobs
 from ..planning.geometry import row_major_strides
-from ..storage import open_storage
+from ..storage import Writer, open_storage
+from ..storage.base import check_local_path, check_name, url_scheme
 from ..storage.local import LocalStorage
+from .bounds import check_files_hold
 from .buffers import WriteBehind, byte_view
 from .reader import Reader
 
@@ -73,6 +77,9 @@ def unshard_to_safetensors(
     add the largest of them and ``knobs.read_buffer_bytes`` of scratch. Every chunk is checked
     against its checksums. The file appears atomically and durably (fsynced
     temporary file, renamed); an existing ``out_path`` is replaced only with ``overwrite=True``.
+    ``out_path`` may also be an object-store or ``memory://`` URL (``s3://bucket/dir/model.safetensors``,
+    configured by the environment): the object is uploaded as it is written and appears only
+    once complete; without ``overwrite`` an existing object is refused (checked before writing).
     Needs no process group.
 
     Returns counts: ``tensors``, ``bytes`` (tensor data), ``file_bytes`` (the whole file),
@@ -81,13 +88,16 @@ def unshard_to_safetensors(
     from ..checkpointer import _read_metadata  # the one metadata reader (incomplete-checkpoint errors)
     from ..dist import get_comm
 
+    check_arg("unshard_to_safetensors", "out_path", out_path, (str, os.PathLike))
+    check_arg("unshard_to_safetensors", "prefix", prefix, str, optional=True)
+    check_bool("unshard_to_safetensors", "overwrite", overwrite)
+    check_arg("unshard_to_safetensors", "knobs", knobs, Knobs, optional=True)
     knobs = knobs or KNOBS
-    out = os.path.abspath(os.fspath(out_path))
-    if not overwrite and os.path.lexists(out):
-        raise CheckpointExistsError(f"{out}: file exists; pass overwrite=True to replace it")
+    output = _Output(os.fspath(out_path), overwrite=overwrite, knobs=knobs)
     storage = open_storage(dir)
     meta = _read_metadata(storage, get_comm(no_dist=True))
     tensors, values, skipped = _select(meta, prefix, storage.url)
+    check_files_hold(storage, tensors.values())  # before allocating from their sizes
     file_meta = {FORMAT_TAG[0]: FORMAT_TAG[1], **{k: json.dumps(v, separators=(",", ":")) for k, v in values.items()}}
 
     # the official writer's order: larger itemsize first, then by name, so that every tensor
@@ -99,14 +109,9 @@ def unshard_to_safetensors(
     largest_other = max((e.nbytes for name, e in zip(order, entries) if directs[name] is None), default=0)
     block = min(max(knobs.write_block_bytes, 1 << 16), max((r[2] for rs in directs.values() if rs for r in rs), default=0))
 
-    parent, base = os.path.split(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp_name = f"tmp-{uuid.uuid4().hex[:12]}-{base}"
-    tmp = os.path.join(parent, tmp_name)
-    dest = LocalStorage(parent, knobs=knobs)
     done = False
     try:
-        with dest.write_file(tmp_name) as w, WriteBehind(w, depth=_RING - 2) as behind:
+        with output.writer() as w, WriteBehind(w, depth=_RING - 2) as behind:
             behind.write(memoryview(layout.header))
             ring = [torch.empty(block, dtype=torch.uint8) for _ in range(_RING if block else 0)]
             slot = 0
@@ -137,14 +142,11 @@ def unshard_to_safetensors(
                     step = max(block, 1 << 24)
                     for pos in range(0, mv.nbytes, step):
                         behind.write(mv[pos : pos + step])
-        _publish(tmp, out, overwrite=overwrite)
+        output.publish()
         done = True
     finally:
         if not done:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            output.discard()
     nbytes = sum(e.nbytes for e in entries)
     return {
         "tensors": len(entries),
@@ -207,6 +209,48 @@ def _entry(name: str, tm: TensorStorageMetadata) -> FileEntry:
     for n in tm.shape:
         numel *= n
     return FileEntry(name, SAFETENSORS_CODE[dtype], tuple(tm.shape), numel * dtype.itemsize)
+
+
+class _Output:
+    """Where the output goes, and how it appears whole or not at all: a local path through an
+    fsynced temporary file beside it, renamed into place; a URL through its store's
+    ``write_file``, whose object appears only once complete and is removed on error."""
+
+    def __init__(self, out_path: str, *, overwrite: bool, knobs: Knobs) -> None:
+        self.overwrite, self.knobs = overwrite, knobs
+        scheme = url_scheme(out_path)
+        self.store = None
+        if scheme not in (None, "file"):
+            parent, _, name = out_path.rpartition("/")
+            if "://" not in parent or not name:
+                raise StorageError(f"{out_path}: an output URL needs a file name after its bucket or prefix, e.g. s3://bucket/model.safetensors")
+            self.store, self.name = open_storage(parent), check_name(name)
+            self.where = f"{self.store.url.rstrip('/')}/{name}"
+            if not overwrite and name in self.store.list():
+                raise CheckpointExistsError(f"{self.where}: object exists; pass overwrite=True to replace it")
+            return
+        self.where = os.path.abspath(out_path[len("file://") :] if scheme == "file" else check_local_path(out_path))
+        if not overwrite and os.path.lexists(self.where):
+            raise CheckpointExistsError(f"{self.where}: file exists; pass overwrite=True to replace it")
+        self.parent, base = os.path.split(self.where)
+        self.name = f"tmp-{uuid.uuid4().hex[:12]}-{base}"
+
+    def writer(self) -> AbstractContextManager[Writer]:
+        if self.store is not None:
+            return self.store.write_file(self.name)
+        os.makedirs(self.parent, exist_ok=True)
+        return LocalStorage(self.parent, knobs=self.knobs).write_file(self.name)
+
+    def publish(self) -> None:
+        if self.store is None:
+            _publish(os.path.join(self.parent, self.name), self.where, overwrite=self.overwrite)
+
+    def discard(self) -> None:
+        if self.store is None:
+            try:
+                os.unlink(os.path.join(self.parent, self.name))
+            except FileNotFoundError:
+                pass
 
 
 def _publish(tmp: str, out: str, *, overwrite: bool) -> None:

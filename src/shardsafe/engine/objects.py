@@ -8,21 +8,25 @@ import pickle
 from typing import Any
 
 from ..errors import CheckpointError, PickleNotAllowedError
+from ..format.strict_json import MAX_DEPTH
 
 __all__ = ["decode_objects", "encode_objects", "is_json_value", "merge_rank_objects"]
 
 
-def is_json_value(v: Any) -> bool:
-    """True when ``v`` round-trips through JSON unchanged (no tuples, no NaN, str dict keys)."""
+def is_json_value(v: Any, _depth: int = 0) -> bool:
+    """True when ``v`` round-trips through JSON unchanged (no tuples, no NaN, str dict keys) and
+    lists and dicts nest at most ``MAX_DEPTH`` deep (what a reader of the metadata accepts)."""
     t = type(v)
     if v is None or t in (bool, int, str):
         return True
     if t is float:
         return math.isfinite(v)
+    if t in (list, dict) and _depth == MAX_DEPTH:
+        return False
     if t is list:
-        return all(is_json_value(x) for x in v)
+        return all(is_json_value(x, _depth + 1) for x in v)
     if t is dict:
-        return all(type(k) is str and is_json_value(x) for k, x in v.items())
+        return all(type(k) is str and is_json_value(x, _depth + 1) for k, x in v.items())
     return False
 
 
@@ -38,7 +42,8 @@ def encode_objects(objects: dict[str, Any], *, allow_pickle: bool) -> tuple[dict
         else:
             raise PickleNotAllowedError(
                 f"key {key!r}: a value of type {type(v).__name__} cannot be stored as JSON (JSON takes None, "
-                "bool, int, finite float, str, list and dict with str keys; tuples must become lists). "
+                f"bool, int, finite float, str, list and dict with str keys, nested at most {MAX_DEPTH} deep; tuples must "
+                "become lists). "
                 "Convert it, or pass allow_pickle=True to store it with pickle"
             )
     return as_json, pickled

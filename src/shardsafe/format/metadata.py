@@ -11,7 +11,6 @@ itself (``metadata_checksum``), so that no byte of a checkpoint goes unchecked.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator
 from math import prod
@@ -21,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from ..errors import CorruptCheckpointError, DtypeMismatchError
+from . import strict_json
 from .checksum import ALGORITHMS, ChunkSums, file_digest
 from .dtypes import torch_dtype
 
@@ -39,6 +39,9 @@ __all__ = [
 FORMAT_VERSION = 2
 METADATA_FILENAME = "metadata.json"
 _SELF_CHECKSUM = re.compile(rb',"metadata_checksum":"([0-9a-f]{16})"\}\Z')
+MAX_SIZE = 1 << 62
+"""Bound on every size and position in the metadata: dims, element counts, bytes, byte offsets."""
+MAX_NDIM = 64
 _DATA_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
 
 
@@ -55,7 +58,7 @@ def keys_under(keys: Iterable[str], prefix: str | None) -> dict[str, str]:
 
 def is_data_file_name(name: str) -> bool:
     """True for a plain file name (no directory part) that a data file may have."""
-    return bool(_DATA_FILE.match(name)) and ".." not in name
+    return bool(_DATA_FILE.fullmatch(name)) and ".." not in name
 
 
 class TensorShardSpec(BaseModel):
@@ -73,10 +76,15 @@ class TensorShardSpec(BaseModel):
     """Entry name of the chunk inside its safetensors file."""
     byte_range: tuple[int, int]
     """Absolute ``[start, end)`` byte offsets of the chunk's data in its file."""
-    crc32c: int | None = Field(default=None, ge=0, lt=1 << 32, exclude_if=_is_none)
+    crc32c: int | None = Field(default=None, ge=0, lt=1 << 32, strict=True, exclude_if=_is_none)
     """Format v1: CRC32C of the chunk's bytes."""
     checksums: str | None = Field(default=None, pattern=r"^[A-Za-z0-9+/]*={0,2}$", exclude_if=_is_none)
     """Format v2: base64 of the little-endian digest of each block of the chunk's bytes."""
+
+    @field_validator("global_offset", "local_shape", "flattened_range", "byte_range", mode="before")
+    @classmethod
+    def _only_ints(cls, v: Any) -> Any:
+        return _strict_ints(v)
 
     @property
     def local_numel(self) -> int:
@@ -107,6 +115,23 @@ class TensorShardSpec(BaseModel):
             current = [lo, hi]
         if current is not None:
             yield current[0], current[1]
+
+
+def _strict_ints(v: Any) -> Any:
+    """A JSON array must hold integers: not ``"12"``, ``12.0`` or ``true`` (which pydantic's
+    lax mode would turn into ints). Other shapes of input are left to the field's own type."""
+    if type(v) is list or type(v) is tuple:
+        for x in v:
+            if type(x) is not int:
+                raise ValueError(f"must hold integers, found {_brief(x)}")
+    return v
+
+
+def _brief(v: Any) -> str:
+    if type(v) in (list, dict):
+        return f"a JSON {'array' if type(v) is list else 'object'}"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
@@ -150,6 +175,18 @@ class TensorStorageMetadata(BaseModel):
     shard_spec_per_file: dict[str, list[TensorShardSpec]]
     """Data file name -> the chunks of this tensor stored in it."""
     _checksum: ChecksumConfig | None = PrivateAttr(default=None)  # the document's (v2); None for v1
+
+    @field_validator("shape", mode="before")
+    @classmethod
+    def _only_ints(cls, v: Any) -> Any:
+        return _strict_ints(v)
+
+    @field_validator("is_sharded", mode="before")
+    @classmethod
+    def _only_bool(cls, v: Any) -> Any:
+        if type(v) is not bool:
+            raise ValueError(f"must be true or false, found {_brief(v)}")
+        return v
 
     @field_validator("dtype")
     @classmethod
@@ -198,7 +235,7 @@ class ChecksumConfig(BaseModel):
 
     algorithm: str
     """Digest of each block: ``"xxh3-64"`` (XXH3, 64-bit, seed 0)."""
-    block_bytes: int = Field(ge=16, le=1 << 40, multiple_of=16)
+    block_bytes: int = Field(ge=16, le=1 << 40, multiple_of=16, strict=True)
     """Each chunk is split into blocks of this many bytes (the last may be shorter)."""
 
     @field_validator("algorithm")
@@ -214,7 +251,7 @@ class DataFileInfo(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    size: int = Field(ge=8, lt=1 << 62)
+    size: int = Field(ge=8, lt=1 << 62, strict=True)
     """The file's length in bytes."""
     header: str = Field(pattern=r"^[0-9a-f]{16}$")
     """XXH3-64 of the file's first ``8 + N`` bytes (the length and the padded JSON header), 16 hex digits."""
@@ -253,9 +290,9 @@ class StorageMetadata(BaseModel):
     def from_json(cls, raw: bytes, *, where: str) -> StorageMetadata:
         """Parse and validate ``metadata.json``; ``where`` names it in errors."""
         try:
-            doc = json.loads(raw)
+            doc = strict_json.loads(raw)
         except ValueError as e:
-            raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: not valid JSON: {e}") from None
+            raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
         version = doc.get("format_version") if isinstance(doc, dict) else None
         if type(version) is not int or version < 1:
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: format_version must be a positive integer, found {version!r}")
@@ -265,6 +302,13 @@ class StorageMetadata(BaseModel):
             )
         if version >= 2:
             _check_self_checksum(raw, doc, where)
+        objects = doc.get("objects")
+        for key, value in objects.items() if isinstance(objects, dict) else ():
+            if strict_json.nesting_exceeds(value, strict_json.MAX_DEPTH):
+                raise CorruptCheckpointError(
+                    f"{where}: invalid checkpoint metadata: value {key!r} nests arrays and objects deeper than "
+                    f"{strict_json.MAX_DEPTH} levels"
+                )
         try:
             meta = cls.model_validate(doc)
         except ValidationError as e:
@@ -315,16 +359,24 @@ class StorageMetadata(BaseModel):
                     )
 
     def _check(self, where: str) -> None:
+        """Everything the schema cannot say: keys, sizes bounded by :data:`MAX_SIZE` (so that no
+        size overflows or is allocated unchecked), byte ranges that match their chunks and do not
+        share bytes within a file, data file names, and chunks that tile each tensor."""
         from ..planning.geometry import check_tiling
 
         both = sorted((set(self.objects) | set(self.pickled_objects)) & set(self.tensors))
         both += sorted(set(self.objects) & set(self.pickled_objects))
         if both:
             raise CorruptCheckpointError(f"{where}: keys {both} are stored twice (as a tensor and as a value)")
+        for kind, keys in (("tensors", self.tensors), ("objects", self.objects), ("pickled_objects", self.pickled_objects)):
+            if "" in keys:
+                raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: an empty key in {kind!r}; keys are non-empty strings")
 
         checked_files: set[str] = set()
+        ranges: dict[str, list[tuple[int, int, str, str]]] = {}  # file -> (begin, end, key, chunk name)
         for key, t in self.tensors.items():
             itemsize = t.torch_dtype.itemsize
+            _check_shape(where, key, t.shape, itemsize)
             for file in t.shard_spec_per_file:
                 if file not in checked_files and not is_data_file_name(file):
                     raise CorruptCheckpointError(
@@ -339,11 +391,27 @@ class StorageMetadata(BaseModel):
                         f"{where}: tensor {key!r}, chunk {spec.name!r} in {file!r}: byte range "
                         f"{list(spec.byte_range)} does not hold {nbytes} bytes"
                     )
+                if spec.byte_range[1] >= MAX_SIZE:
+                    raise CorruptCheckpointError(
+                        f"{where}: tensor {key!r}, chunk {spec.name!r} in {file!r}: byte range "
+                        f"{list(spec.byte_range)} ends past the largest offset a checkpoint may use (2**62)"
+                    )
+                if nbytes:
+                    ranges.setdefault(file, []).append((spec.byte_range[0], spec.byte_range[1], key, spec.name))
             pieces = [(s.global_offset, s.local_shape, s.flattened_range) for _, s in t.chunks()]
             try:
                 check_tiling(key, t.shape, pieces)
             except Exception as e:
                 raise CorruptCheckpointError(f"{where}: {e}") from None
+        for file, spans in ranges.items():  # so the chunks of a file are never more bytes than it holds
+            spans.sort()
+            for (_, end, key, name), (begin, _, key2, name2) in zip(spans, spans[1:]):
+                if begin < end:
+                    raise CorruptCheckpointError(
+                        f"{where}: chunks {name!r} (tensor {key!r}) and {name2!r} (tensor {key2!r}) in {file!r} "
+                        "share bytes; every chunk has bytes of its own"
+                    )
+
         self._check_version_fields(where)
 
 
@@ -362,3 +430,17 @@ def _check_self_checksum(raw: bytes, doc: dict, where: str) -> None:
             "the file is damaged"
         )
     del doc["metadata_checksum"]
+
+
+def _check_shape(where: str, key: str, shape: tuple[int, ...], itemsize: int) -> None:
+    if len(shape) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{where}: tensor {key!r} has {len(shape)} dimensions; at most {MAX_NDIM} are allowed")
+    nbytes = itemsize
+    for n in shape:
+        if n < 0:
+            raise CorruptCheckpointError(f"{where}: tensor {key!r} has shape {list(shape)}: a negative dimension")
+        nbytes *= n
+        if nbytes >= MAX_SIZE:  # n < MAX_SIZE too, as itemsize >= 1, so no intermediate product is huge
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} of shape {list(shape)} would hold 2**62 bytes or more; refusing it"
+            )

@@ -14,6 +14,8 @@ import json
 import struct
 from dataclasses import dataclass
 
+from . import strict_json
+
 __all__ = ["FileEntry", "FileLayout", "layout_file", "parse_header"]
 
 _ALIGN = 8
@@ -68,7 +70,9 @@ def parse_header(prefix: bytes) -> tuple[int, dict[str, object]]:
     (n,) = struct.unpack("<Q", prefix[:8])
     if len(prefix) < 8 + n:
         raise ValueError(f"header says {n} bytes, only {len(prefix) - 8} present")
-    header = json.loads(prefix[8 : 8 + n])
+    header = strict_json.loads(prefix[8 : 8 + n])
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not a JSON object")
+    if strict_json.nesting_exceeds(header, strict_json.MAX_DEPTH):
+        raise ValueError(f"safetensors header nests arrays and objects deeper than {strict_json.MAX_DEPTH} levels")
     return 8 + n, header

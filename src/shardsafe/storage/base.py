@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from ..errors import StorageError
 
-__all__ = ["Location", "Storage", "Writer", "check_name", "open_storage"]
+__all__ = ["Location", "Storage", "Writer", "check_local_path", "check_name", "open_storage", "url_scheme"]
 
 
 class Writer(Protocol):
@@ -57,7 +57,29 @@ class Storage(Protocol):
         """Release open handles; the storage may be used again afterwards."""
 
 
-_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
+_SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)", re.DOTALL)  # fullmatch: a trailing newline is part of the path
+_ONE_SLASH_URL = re.compile(r"^([a-z][a-z0-9+.-]*):/", re.IGNORECASE)  # "s3:/bucket": a URL missing a slash
+_STORAGE_METHODS = ("write_file", "put_atomic", "read_into", "read", "list", "delete", "close")
+
+
+def url_scheme(location: str) -> str | None:
+    """The lowercased scheme of a ``scheme://...`` URL, or None for a plain path."""
+    m = _SCHEME.fullmatch(location)
+    return m.group(1).lower() if m else None
+
+
+def check_local_path(path: str) -> str:
+    """``path``, unless it looks like a URL with one slash (``s3:/bucket/x``), which would
+    silently become a local ``s3:`` directory: ``StorageError`` suggesting the ``scheme://`` form."""
+    url_like = _ONE_SLASH_URL.match(path)
+    if url_like and not (len(url_like.group(1)) == 1 and os.name == "nt"):  # C:/ is a Windows drive
+        scheme, rest = url_like.group(1), path[url_like.end() - 1 :]  # rest keeps its leading "/"
+        fixed = f"{scheme}://{rest if scheme.lower() == 'file' else rest.lstrip('/')}"
+        raise StorageError(
+            f"{path}: looks like a URL with one slash after '{url_like.group(1)}:'; did you mean {fixed!r}? "
+            f"(a local path whose first part ends in a colon: write it as './{path}' or 'file://{os.path.abspath(path)}')"
+        )
+    return path
 
 
 def check_name(name: str) -> str:
@@ -77,14 +99,19 @@ def open_storage(location: Location, **options: Any) -> Storage:
     (``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://container/prefix``), or a
     ``Storage`` already opened, which is returned as it is. ``options`` are the fields of
     :class:`~shardsafe.storage.ObjectStoreOptions` (``endpoint``, ``region``, ``profile``,
-    ``credentials``, ...), for object-store URLs only.
+    ``credentials``, ...), for object-store URLs only. A local path that looks like a URL with
+    one slash (``s3:/bucket/x``) is refused: it would create a local ``s3:`` directory.
     """
     if not isinstance(location, (str, os.PathLike)):
+        if not all(callable(getattr(location, m, None)) for m in _STORAGE_METHODS):
+            raise TypeError(
+                f"open_storage: argument 'location' must be a path, a URL or a Storage, got {type(location).__name__}"
+            )
         if options:
             raise TypeError("open_storage: options apply to a URL, not to a Storage already opened")
         return location
     loc = os.fspath(location)
-    m = _SCHEME.match(loc)
+    m = _SCHEME.fullmatch(loc)
     scheme = m.group(1).lower() if m else "file"
     from .cloud_config import OBJECT_SCHEMES, ObjectStoreOptions
 
@@ -97,7 +124,7 @@ def open_storage(location: Location, **options: Any) -> Storage:
     if scheme == "file":
         from .local import LocalStorage
 
-        return LocalStorage(m.group(2) if m else loc)
+        return LocalStorage(m.group(2) if m else check_local_path(loc))
     if scheme == "memory":
         from .memory import MemoryStorage
 
