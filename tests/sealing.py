@@ -8,6 +8,7 @@ they aim at (not the checksum) is the one that fires.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import xxhash
@@ -20,4 +21,17 @@ def seal(doc: dict[str, Any]) -> bytes:
     if body.get("format_version", 0) < 2:
         return raw
     head = raw[:-1]
+    return head + b',"metadata_checksum":"' + f"{xxhash.xxh3_64_intdigest(head):016x}".encode() + b'"}'
+
+
+_TRAILER = re.compile(rb'\s*,\s*"metadata_checksum"\s*:\s*"[^"]*"\s*\}\s*\Z')
+
+
+def reseal(raw: bytes) -> bytes:
+    """Raw metadata text edited on purpose, with its metadata_checksum made valid again (a
+    document without one, such as v1, is returned as it is)."""
+    m = _TRAILER.search(raw)
+    if m is None:
+        return raw
+    head = raw[: m.start()]
     return head + b',"metadata_checksum":"' + f"{xxhash.xxh3_64_intdigest(head):016x}".encode() + b'"}'

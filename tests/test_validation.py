@@ -10,6 +10,7 @@ data files must hold the bytes the metadata claims before ``unshard`` allocates,
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 import weakref
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 import shardsafe
 from shardsafe import Checkpointer, CorruptCheckpointError, PickleNotAllowedError, ShardedTensor, ShardingError
@@ -25,6 +27,7 @@ from shardsafe.engine.buffers import Scratch
 from shardsafe.storage import open_storage
 
 from .distributed import run_ranks
+from .sealing import reseal, seal
 
 META = "metadata.json"
 
@@ -40,7 +43,8 @@ def _raw(d: str) -> str:
 
 
 def _put(d: str, raw: str | bytes) -> None:
-    open_storage(d).put_atomic(META, raw.encode() if isinstance(raw, str) else raw, overwrite=True)
+    """Write edited metadata text; a text edit keeps a valid metadata_checksum, so the check under test fires."""
+    open_storage(d).put_atomic(META, reseal(raw.encode()) if isinstance(raw, str) else raw, overwrite=True)
 
 
 def _spec(m: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +115,7 @@ _DAMAGE = {
     "duplicate-key": (_text('"step":3', '"step":3,"step":4'), r"key 'step' appears twice in one object"),
     "empty-tensor-key": (_edit(lambda m: m["tensors"].update({"": m["tensors"].pop("w")})), r"an empty key in 'tensors'"),
     "empty-value-key": (_text('"step":3', '"":3'), r"an empty key in 'objects'"),
-    "file-name-with-newline": (_text('.safetensors"', '.safetensors\\n"'), r"names data file '.*\.safetensors\\n', which is not a plain file name"),
+    "file-name-with-newline": (lambda raw: raw.replace('.safetensors"', '.safetensors\\n"'), r"names data file '.*\.safetensors\\n', which is not a plain file name"),
     "chunks-share-bytes": (_edit(_second_chunk_on_the_same_bytes), r"chunks 'w@0,0' \(tensor 'w'\) and 'w@1,0' \(tensor 'w'\) in '.*' share bytes"),
 }
 
@@ -139,7 +143,12 @@ def test_sizes_beyond_the_stored_bytes_are_refused_before_allocating(tmp_path: P
     """Valid-looking metadata for a 16 TiB tensor: the data file is 160 bytes long, so nothing of
     that size is allocated; the error names the key, the file and what it lacks."""
     d = _save(tmp_path)
-    _put(d, _shape([2**40, 4], nbytes=2**44)(_raw(d)))
+
+    def big_blocks(m: dict[str, Any]) -> None:  # 16 blocks of 1 TiB: digests of the right count
+        m["checksum"]["block_bytes"] = 2**40
+        _spec(m)["checksums"] = base64.b64encode(bytes(8 * 16)).decode()
+
+    _put(d, _edit(big_blocks)(_shape([2**40, 4], nbytes=2**44)(_raw(d))))
     (file,) = Checkpointer().get_metadata(d, no_dist=True).data_files()
     call = {
         "unshard": lambda: Checkpointer().unshard(d, no_dist=True),
@@ -152,7 +161,9 @@ def test_sizes_beyond_the_stored_bytes_are_refused_before_allocating(tmp_path: P
 
 def _replace_in_header(d: str, old: bytes, new: bytes) -> str:
     """Rewrite the data file with ``old`` replaced by ``new`` in its JSON header (the header
-    length changes; the header is what is under test, so the byte ranges are left as they were)."""
+    length changes; the header is what is under test, so the byte ranges are left as they were).
+    The metadata's size and header digest of the file are updated to match, as a crafted
+    checkpoint would have them, so that the header parser is what refuses it."""
     (file,) = Checkpointer().get_metadata(d, no_dist=True).data_files()
     store = open_storage(d)
     raw = store.read(file)
@@ -160,7 +171,11 @@ def _replace_in_header(d: str, old: bytes, new: bytes) -> str:
     header = raw[8 : 8 + n]
     assert header.count(old) == 1
     header = header.replace(old, new)
-    store.put_atomic(file, struct.pack("<Q", len(header)) + header + raw[8 + n :], overwrite=True)
+    damaged = struct.pack("<Q", len(header)) + header + raw[8 + n :]
+    store.put_atomic(file, damaged, overwrite=True)
+    m = json.loads(_raw(d))
+    m["files"][file] = {"size": len(damaged), "header": f"{xxhash.xxh3_64_intdigest(damaged[: 8 + len(header)]):016x}"}
+    _put(d, seal(m))
     return file
 
 
