@@ -8,8 +8,10 @@ How the :class:`~shardsafe.storage.Storage` calls map onto requests:
   completes; if the body or an upload request fails, the upload is aborted. A file smaller
   than one part is sent with one PUT.
 - ``put_atomic``: one PUT. ``overwrite=False`` is a conditional create (``If-None-Match: *`` on
-  S3 and Azure, ``x-goog-if-generation-match: 0`` on GCS): of two racing commits one wins and
-  the other gets ``FileExistsError``.
+  S3 and Azure, ``x-goog-if-generation-match: 0`` on GCS), ``if_match`` a conditional replace
+  (``If-Match: <etag>`` on S3 and Azure, ``x-goog-if-generation-match: <generation>`` on GCS):
+  of two racing commits one wins and the other gets ``FileExistsError``.
+- ``read_versioned``: a GET; the version token is the object's ETag and version (generation).
 - ``read_into``: ranged GETs of at most ``get_bytes`` each, up to ``concurrency`` in flight,
   each copied into the caller's buffers as it lands. ``read_spans_into`` (not part of the
   ``Storage`` protocol) fetches many separate ranges of one file concurrently.
@@ -24,6 +26,7 @@ server's answer.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -121,26 +124,32 @@ class ObjectStorage:
             if "already closed" not in str(e):
                 log.warning("%s/%s: could not abort the multipart upload: %s", self.url, name, _describe(e))
 
-    def put_atomic(self, name: str, data: bytes, *, overwrite: bool) -> None:
+    def put_atomic(self, name: str, data: bytes, *, overwrite: bool, if_match: str | None = None) -> None:
         import obstore
-        from obstore.exceptions import AlreadyExistsError, NotSupportedError, PreconditionError
+        from obstore.exceptions import AlreadyExistsError, NotFoundError, NotSupportedError, PreconditionError
 
         check_name(name)
         try:
-            if overwrite:
+            if if_match is None and overwrite:
                 obstore.put(self._store, name, data, mode="overwrite", use_multipart=False)
                 return
+            mode: Any = "create" if if_match is None else json.loads(if_match)
             try:
-                obstore.put(self._store, name, data, mode="create", use_multipart=False)
-            except (AlreadyExistsError, PreconditionError) as e:
-                # a create retried after a lost answer finds its own first try: same bytes, ours
+                obstore.put(self._store, name, data, mode=mode, use_multipart=False)
+            except (AlreadyExistsError, PreconditionError, NotFoundError) as e:
+                if isinstance(e, NotFoundError) and _is_missing_container(e):
+                    raise
+                # a put retried after a lost answer finds its own first try: same bytes, ours
                 if _retries(e) > 0 and self._read_or_none(name) == bytes(data):
                     return
-                raise FileExistsError(f"{self.url}/{name} already exists") from None
+                what = "already exists" if if_match is None else "is no longer the version this writer read"
+                raise FileExistsError(f"{self.url}/{name} {what}") from None
             except NotSupportedError:
-                log.warning("%s: the store has no conditional put; checking for %s, then writing it", self.url, name)
-                if self._read_or_none(name) is not None:
-                    raise FileExistsError(f"{self.url}/{name} already exists") from None
+                log.warning("%s: the store has no conditional put; checking %s, then writing it", self.url, name)
+                current = self._read_versioned_or_none(name)
+                if (current is not None) if if_match is None else (current is None or current[1] != if_match):
+                    what = "already exists" if if_match is None else "is no longer the version this writer read"
+                    raise FileExistsError(f"{self.url}/{name} {what}") from None
                 obstore.put(self._store, name, data, mode="overwrite", use_multipart=False)
         except FileExistsError:
             raise
@@ -237,19 +246,30 @@ class ObjectStorage:
         return CorruptCheckpointError(f"{self.url}/{name}: truncated: needed bytes [{offset}, {offset + want}) but the file has {size}")
 
     def read(self, name: str) -> bytes:
+        return self.read_versioned(name)[0]
+
+    def read_versioned(self, name: str) -> tuple[bytes, str]:
         import obstore
 
         check_name(name)
         try:
-            return obstore.get(self._store, name).bytes().to_bytes()
+            got = obstore.get(self._store, name)
+            data = got.bytes().to_bytes()
         except Exception as e:
             if _is_missing_object(e):
                 raise FileNotFoundError(f"{self.url}/{name}") from None
             raise self._error(e, name, "read failed") from e
+        meta = got.meta
+        version = {k: meta[k] for k in ("e_tag", "version") if meta.get(k) is not None}
+        return data, json.dumps(version, sort_keys=True)
 
     def _read_or_none(self, name: str) -> bytes | None:
+        got = self._read_versioned_or_none(name)
+        return None if got is None else got[0]
+
+    def _read_versioned_or_none(self, name: str) -> tuple[bytes, str] | None:
         try:
-            return self.read(name)
+            return self.read_versioned(name)
         except FileNotFoundError:
             return None
 
@@ -318,8 +338,12 @@ def _is_missing_object(e: BaseException) -> bool:
     """A 404 for the object itself, as opposed to a missing bucket or container."""
     from obstore.exceptions import NotFoundError
 
+    return (isinstance(e, NotFoundError) or isinstance(e, FileNotFoundError)) and not _is_missing_container(e)
+
+
+def _is_missing_container(e: BaseException) -> bool:
     text = str(e)
-    return (isinstance(e, NotFoundError) or isinstance(e, FileNotFoundError)) and not any(s in text for s in _MISSING_CONTAINER)
+    return any(s in text for s in _MISSING_CONTAINER)
 
 
 def _describe(e: BaseException) -> str:
