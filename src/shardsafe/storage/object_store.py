@@ -22,12 +22,17 @@ off mid-transfer, are retried with exponential backoff and jitter, up to ``max_r
 and no later than ``retry_timeout_s`` after the first try. Other errors (403, 404 on the
 bucket, 400) fail at once with a :class:`~shardsafe.StorageError` naming the URL and the
 server's answer.
+
+obstore runs its requests on one I/O runtime per process, whose threads do not survive
+``fork()``: in a process forked after this one made a request, any request would hang. Every
+call there fails at once with a ``StorageError`` saying so instead (see :func:`_check_fork`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -101,6 +106,7 @@ class ObjectStorage:
 
     @contextmanager
     def write_file(self, name: str) -> Iterator[_PartWriter]:
+        _check_fork(self.url)
         import obstore
 
         check_name(name)
@@ -125,6 +131,7 @@ class ObjectStorage:
                 log.warning("%s/%s: could not abort the multipart upload: %s", self.url, name, _describe(e))
 
     def put_atomic(self, name: str, data: bytes, *, overwrite: bool, if_match: str | None = None) -> None:
+        _check_fork(self.url)
         import obstore
         from obstore.exceptions import AlreadyExistsError, NotFoundError, NotSupportedError, PreconditionError
 
@@ -159,6 +166,7 @@ class ObjectStorage:
     # --- reading -------------------------------------------------------------------------------
 
     def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
+        _check_fork(self.url)
         check_name(name)
         views = [memoryview(b).cast("B") for b in buffers]
         want = sum(v.nbytes for v in views)
@@ -185,6 +193,7 @@ class ObjectStorage:
         """Fill each buffer with the bytes of the file at its offset, all ranges fetched
         concurrently (up to 10 in flight), none merged: for many small reads of one file, such
         as the rows of a strided box, where ``read_into`` per span would wait for each GET."""
+        _check_fork(self.url)
         import obstore
 
         check_name(name)
@@ -249,6 +258,7 @@ class ObjectStorage:
         return self.read_versioned(name)[0]
 
     def read_versioned(self, name: str) -> tuple[bytes, str]:
+        _check_fork(self.url)
         import obstore
 
         check_name(name)
@@ -274,6 +284,7 @@ class ObjectStorage:
             return None
 
     def list(self) -> list[str]:
+        _check_fork(self.url)
         import obstore
 
         try:
@@ -283,6 +294,7 @@ class ObjectStorage:
         return sorted(o["path"].rsplit("/", 1)[-1] for o in found["objects"])
 
     def delete(self, name: str) -> None:
+        _check_fork(self.url)
         import obstore
 
         check_name(name)
@@ -295,10 +307,11 @@ class ObjectStorage:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
-        if pool is not None:
+        if pool is not None and _RUNTIME_PID in (None, os.getpid()):  # a forked child has none of its threads
             pool.shutdown(wait=True)
 
     def _executor(self) -> ThreadPoolExecutor:
+        _check_fork(self.url)  # a forked child has none of the pool's threads: its work would wait forever
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="shardsafe-get")
@@ -309,6 +322,32 @@ class ObjectStorage:
     def _error(self, e: BaseException, name: str | None, action: str) -> StorageError:
         where = f"{self.url}/{name}" if name else self.url
         return StorageError(f"{where}: {action}: {_describe(e)}{_hint(e)}")
+
+
+# --- fork ----------------------------------------------------------------------------------------
+
+_RUNTIME_PID: int | None = None  # the process in which this module first sent a request
+
+
+def _check_fork(url: str) -> None:
+    """Refuse a request in a process forked from one that had already sent requests.
+
+    obstore (through ``pyo3-async-runtimes``) starts one tokio runtime per process, on first
+    use, and keeps it for good; ``fork()`` copies the runtime's state but none of its threads,
+    so in the child every request, with any store object, old or new, waits forever. A fresh
+    client cannot help, so the child fails at once, with the way out in the message.
+    """
+    global _RUNTIME_PID
+    pid = os.getpid()
+    if _RUNTIME_PID is None:
+        _RUNTIME_PID = pid
+    elif _RUNTIME_PID != pid:
+        raise StorageError(
+            f"{url}: this process (pid {pid}) was forked from process {_RUNTIME_PID} after that process had used an "
+            "object store, and the object-store client's I/O runtime does not survive fork(): every request here would "
+            "hang. Start worker processes with the 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn'), "
+            "DataLoader(..., multiprocessing_context='spawn')), or fork them before the first object-store access"
+        )
 
 
 # Errors come from obstore as text: "<summary>: Error performing GET <url> in 3ms - Server returned
