@@ -7,8 +7,8 @@
   ``POST ?uploadId``, ``DELETE ?uploadId``). :class:`GcsXmlShim`, a proxy in front of it,
   takes those requests exactly as the client sends them and stores the object through the
   emulator's JSON API (holding the parts until completion); it also enforces
-  ``x-goog-if-generation-match: 0``, which the emulator ignores, and answers for a missing
-  bucket or object with GCS's XML errors. Every byte read back comes from the emulator.
+  ``x-goog-if-generation-match`` (``0`` or a generation), which the emulator ignores, and
+  answers for a missing bucket or object with GCS's XML errors. Every byte read back comes from the emulator.
 - Azure: Azurite (npm package ``azurite``), installed by ``make`` into ``.venv/azurite``.
 
 Each server sits behind a :class:`~tests.faulty_proxy.FaultyProxy` that counts requests and
@@ -210,9 +210,10 @@ class GcsXmlShim(FaultyProxy):
     def _put(self, bucket: str, name: str, data: bytes, if_generation: str | None) -> Response:
         base = f"http://{self.upstream_host}:{self.upstream_port}"
         with self._write_lock:
-            if if_generation == "0":
-                status, _, _ = _request(base, "GET", f"/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}")
-                if status == 200:
+            if if_generation is not None:  # "0": must not exist; else: must exist with this generation
+                status, _, body = _request(base, "GET", f"/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}")
+                current = str(json.loads(body)["generation"]) if status == 200 else "0"
+                if current != if_generation:
                     return _xml(412, "<Error><Code>PreconditionFailed</Code><Message>At least one of the pre-conditions you specified did not hold.</Message></Error>")
             path = f"/upload/storage/v1/b/{quote(bucket, safe='')}/o?uploadType=media&name={quote(name, safe='')}"
             status, _, body = _request(base, "POST", path, data, {"Content-Type": "application/octet-stream"})

@@ -9,10 +9,17 @@ multi-rank save and resharded load, bytes moved, retries and permanent failures.
 from __future__ import annotations
 
 import dataclasses
+import json
+import multiprocessing as mp
 import os
+import queue as queue_mod
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -620,3 +627,76 @@ def test_concurrent_commits_one_wins(object_cloud) -> None:
     (winner,) = [i for i, r in enumerate(results) if r == "won"]
     assert results.count("refused") == 7
     assert storage.read("metadata.json") == f"writer {winner}".encode() * 50
+
+
+# --- fork ---------------------------------------------------------------------------------------
+
+
+def _load_in_forked_child(storage: ObjectStorage, options: dict, queue) -> None:
+    out = []
+    for how in ("inherited", "opened anew"):
+        s = storage if how == "inherited" else open_storage(storage.url, **options)
+        start = time.monotonic()
+        try:
+            Checkpointer().unshard(s)
+            out.append((how, "loaded", time.monotonic() - start))
+        except StorageError as e:
+            out.append((how, str(e), time.monotonic() - start))
+    queue.put(out)
+
+
+def test_a_process_forked_after_use_fails_at_once_instead_of_hanging() -> None:
+    """The client's I/O runtime does not survive fork(): in the child every request, through the
+    inherited storage or a new one, would wait forever. It fails at once with the way out."""
+    c = cloud("s3")
+    storage = _open(c)
+    src = {"w": _full("w", (300, 70), torch.float32)}
+    Checkpointer().save(storage, src)
+    assert torch.equal(_bytes(Checkpointer().unshard(storage)["w"]), _bytes(src["w"]))
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_load_in_forked_child, args=(storage, c.options, queue), daemon=True)
+    child.start()
+    try:
+        got = queue.get(timeout=30)
+    except queue_mod.Empty:
+        pytest.fail("the forked child's object-store request hung")
+    finally:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    forked = rf"this process \(pid {child.pid}\) was forked from process {os.getpid()} after that process had used an object store"
+    for how, message, seconds in got:
+        assert re.search(rf"^{re.escape(storage.url)}: {forked}", message), (how, message)
+        assert "'spawn' or 'forkserver'" in message and seconds < 5
+    assert [how for how, _, _ in got] == ["inherited", "opened anew"]
+    assert torch.equal(_bytes(Checkpointer().unshard(storage)["w"]), _bytes(src["w"]))  # the parent goes on
+
+
+_FORK_FIRST = r"""
+import json, os, sys
+import torch
+from shardsafe import Checkpointer
+from shardsafe.storage import open_storage
+
+url, options = sys.argv[1], json.loads(sys.argv[2])
+pid = os.fork()  # before this process used the object store: the child has a working client
+if pid == 0:
+    out = Checkpointer().unshard(open_storage(url, **options))
+    os._exit(0 if torch.equal(out["w"], torch.arange(1000.0)) else 3)
+_, status = os.waitpid(pid, 0)
+out = Checkpointer().unshard(open_storage(url, **options))
+sys.exit(os.waitstatus_to_exitcode(status) or (0 if torch.equal(out["w"], torch.arange(1000.0)) else 4))
+"""
+
+
+def test_a_process_forked_before_any_use_works() -> None:
+    c = cloud("s3")
+    storage = _open(c)
+    Checkpointer().save(storage, {"w": torch.arange(1000.0)})
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _FORK_FIRST, storage.url, json.dumps(c.options)], env=env, timeout=120)
+    assert done.returncode == 0

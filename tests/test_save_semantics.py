@@ -176,7 +176,7 @@ def _fail_after(n: int, exc: BaseException):
     return write
 
 
-def _broken_put_atomic(self, name, data, *, overwrite):
+def _broken_put_atomic(self, name, data, *, overwrite, if_match=None):
     raise StorageError(f"{self.root}/{name}: cannot write: Read-only file system")
 
 
@@ -246,9 +246,9 @@ def test_save_is_committed_by_metadata_written_last(tmp_path: Path, monkeypatch:
     seen: dict[str, dict[str, bytes]] = {}
     real = LocalStorage.put_atomic
 
-    def spy(self, name, data, *, overwrite):
+    def spy(self, name, data, *, overwrite, if_match=None):
         seen[name] = _snapshot(d)
-        real(self, name, data, overwrite=overwrite)
+        real(self, name, data, overwrite=overwrite, if_match=if_match)
 
     monkeypatch.setattr(LocalStorage, "put_atomic", spy)
     meta, _ = Checkpointer().save(d, _state_a())

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from shardsafe import Checkpointer, CorruptCheckpointError, StorageError
+from shardsafe import Checkpointer, CorruptCheckpointError, StorageError, verify
 from shardsafe.storage import open_storage
 from shardsafe.storage.local import LocalStorage
 from shardsafe.storage.memory import MemoryStorage
@@ -189,6 +190,143 @@ def test_local_put_atomic_failure_leaves_no_temp_file(tmp_path: Path, monkeypatc
     monkeypatch.undo()
     assert storage.read("m.json") == b"old"
     assert sorted(os.listdir(tmp_path / "root")) == ["m.json"]
+
+
+# --- put_atomic(if_match=): the compare-and-swap of a commit ------------------------------------
+
+
+def test_put_atomic_if_match_replaces_only_the_version_it_read(storage) -> None:
+    storage.put_atomic("m.json", b"first", overwrite=False)
+    data, v1 = storage.read_versioned("m.json")
+    assert data == b"first"
+    storage.put_atomic("m.json", b"second", overwrite=True, if_match=v1)
+    data, v2 = storage.read_versioned("m.json")
+    assert data == b"second" and v2 != v1
+
+    with pytest.raises(FileExistsError):  # v1 was replaced: a writer that read it must not commit
+        storage.put_atomic("m.json", b"stale", overwrite=True, if_match=v1)
+    assert storage.read_versioned("m.json") == (b"second", v2)
+
+    storage.delete("m.json")
+    with pytest.raises(FileExistsError):  # removed: nothing is created in its place
+        storage.put_atomic("m.json", b"stale", overwrite=True, if_match=v2)
+    with pytest.raises(FileNotFoundError):
+        storage.read_versioned("m.json")
+    assert storage.list() == []
+    if _on_disk(storage) is not None:
+        assert _on_disk(storage) == []
+
+
+def test_concurrent_conditional_replacements_one_wins(storage) -> None:
+    storage.put_atomic("m.json", b"start", overwrite=False)
+    _, seen = storage.read_versioned("m.json")
+    results = [""] * 8
+
+    def replace(i: int) -> None:
+        try:
+            storage.put_atomic("m.json", f"writer {i}".encode() * 50, overwrite=True, if_match=seen)
+            results[i] = "won"
+        except FileExistsError:
+            results[i] = "refused"
+
+    threads = [threading.Thread(target=replace, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (winner,) = [i for i, r in enumerate(results) if r == "won"]
+    assert results.count("refused") == 7
+    assert storage.read("m.json") == f"writer {winner}".encode() * 50
+    if _on_disk(storage) is not None:
+        assert _on_disk(storage) == ["m.json"]
+
+
+def test_local_versions_differ_for_the_same_bytes_written_again(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path / "root"))
+    storage.put_atomic("m.json", b"same", overwrite=False)
+    _, v1 = storage.read_versioned("m.json")
+    storage.put_atomic("m.json", b"same", overwrite=True, if_match=v1)
+    _, v2 = storage.read_versioned("m.json")
+    assert v2 != v1
+    with pytest.raises(FileExistsError):
+        storage.put_atomic("m.json", b"same", overwrite=True, if_match=v1)
+
+
+# --- local files are never symbolic links ---------------------------------------------------
+
+
+def _plant_link(root: Path, name: str, target: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    os.symlink(target, root / name)
+
+
+def test_local_reads_refuse_a_symlinked_file(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(PAYLOAD)
+    _plant_link(tmp_path / "root", "d.bin", outside)
+    storage = open_storage(str(tmp_path / "root"))
+    symlink = rf"{re.escape(str(tmp_path / 'root' / 'd.bin'))}: is a symbolic link"
+    with pytest.raises(CorruptCheckpointError, match=symlink):
+        storage.read_into("d.bin", 0, [memoryview(bytearray(4))])
+    with pytest.raises(CorruptCheckpointError, match=symlink):
+        storage.read("d.bin")
+    with pytest.raises(CorruptCheckpointError, match=symlink):
+        storage.read_versioned("d.bin")
+
+
+def test_local_writes_never_go_through_a_planted_link(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"precious")
+    root = tmp_path / "root"
+    for name in ("d.bin", "m.json", "n.json", "c.json"):
+        _plant_link(root, name, outside)
+    storage = open_storage(str(root))
+
+    _write(storage, "d.bin", b"data")  # the link is replaced by the new file
+    storage.put_atomic("m.json", b"meta", overwrite=True)
+    with pytest.raises(FileExistsError):
+        storage.put_atomic("n.json", b"meta", overwrite=False)
+    with pytest.raises(FileExistsError):  # a link is never the version a writer read
+        storage.put_atomic("c.json", b"meta", overwrite=True, if_match="0:0:0:0")
+
+    assert outside.read_bytes() == b"precious"
+    assert not (root / "d.bin").is_symlink() and (root / "d.bin").read_bytes() == b"data"
+    assert not (root / "m.json").is_symlink() and (root / "m.json").read_bytes() == b"meta"
+    assert (root / "n.json").is_symlink() and (root / "c.json").is_symlink()
+    assert sorted(os.listdir(root)) == ["c.json", "d.bin", "m.json", "n.json"]
+
+
+@pytest.mark.parametrize("linked", ["metadata.json", "data file"])
+def test_a_checkpoint_file_that_is_a_symlink_is_refused(tmp_path: Path, linked: str) -> None:
+    """A copy of the file, identical byte for byte, outside the checkpoint and linked to: the
+    checkpoint would load, through the link, if links were followed."""
+    d = tmp_path / "ckpt"
+    src = {"w": torch.randn(5, 3)}
+    meta, _ = Checkpointer().save(d, src)
+    name = "metadata.json" if linked == "metadata.json" else next(iter(meta.data_files()))
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir()
+    os.replace(d / name, outside)
+    os.symlink(outside, d / name)
+    symlink = rf"{re.escape(str(d / name))}: is a symbolic link"
+    with pytest.raises(CorruptCheckpointError, match=symlink):
+        Checkpointer().load(d, {"w": torch.zeros(5, 3)})
+    with pytest.raises(CorruptCheckpointError, match=symlink):
+        if linked == "metadata.json":  # a save does not replace it either
+            Checkpointer().save(d, {"w": torch.ones(5, 3)}, save_overwrite=True)
+        else:
+            verify(d)
+    assert (d / name).is_symlink() and outside.exists()
+
+
+def test_a_checkpoint_folder_that_is_a_symlink_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    src = {"w": torch.randn(5, 3)}
+    Checkpointer().save(tmp_path / "link", src)
+    Checkpointer().save(tmp_path / "link", src, save_overwrite=True)
+    out = Checkpointer().unshard(tmp_path / "link")
+    assert torch.equal(_bytes(out["w"]), _bytes(src["w"]))
 
 
 # --- write_file ------------------------------------------------------------------------------

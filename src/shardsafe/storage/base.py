@@ -5,8 +5,11 @@ plain file names relative to it; a name with a directory part, ``..`` or an abso
 refused, so nothing is ever written or read outside the root. Paths are ``str``, because
 ``pathlib`` mangles URLs such as ``s3://``.
 
-Call order for a save: every rank ``write_file``s its data file (durable when the context
-exits without error), then one rank ``put_atomic``s ``metadata.json``, which is the commit.
+Call order for a save: the coordinator ``list``s the root and ``read_versioned``s
+``metadata.json`` (the version it will replace, if any); every rank ``write_file``s its data
+file (durable when the context exits without error); then the coordinator ``put_atomic``s
+``metadata.json`` with ``if_match`` set to the version it read, which is the commit: a
+compare-and-swap, so of two saves racing to one location at most one commits.
 """
 
 from __future__ import annotations
@@ -32,10 +35,15 @@ class Storage(Protocol):
     def write_file(self, name: str) -> AbstractContextManager[Writer]:
         """Stream a new file. On normal exit it is durable (fsynced); on error it is removed."""
 
-    def put_atomic(self, name: str, data: bytes, *, overwrite: bool) -> None:
+    def put_atomic(self, name: str, data: bytes, *, overwrite: bool, if_match: str | None = None) -> None:
         """Write a small file all at once, atomically: readers see the old or the new, never a mix.
 
         With ``overwrite=False`` an existing file is left alone and ``FileExistsError`` raised.
+        With ``if_match`` (and ``overwrite=True``) the file is replaced only if it still is the
+        version ``read_versioned`` returned as ``if_match``; if another writer replaced or removed
+        it in the meantime, nothing is written and ``FileExistsError`` is raised. The check and
+        the replacement are one atomic step against other writers using ``if_match`` or
+        ``overwrite=False`` (backends document where that holds only on one host).
         """
 
     def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
@@ -46,6 +54,10 @@ class Storage(Protocol):
 
     def read(self, name: str) -> bytes:
         """The whole file; ``FileNotFoundError`` if it does not exist."""
+
+    def read_versioned(self, name: str) -> tuple[bytes, str]:
+        """The whole file and an opaque token of this version of it, for ``put_atomic(if_match=)``;
+        ``FileNotFoundError`` if it does not exist. Tokens of different versions differ."""
 
     def list(self) -> list[str]:
         """Names of the files at the root (empty if the root does not exist)."""

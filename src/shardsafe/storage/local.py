@@ -1,8 +1,21 @@
-"""Local (or network-mounted POSIX) filesystem storage."""
+"""Local (or network-mounted POSIX) filesystem storage.
+
+Every file inside the root is opened with ``O_NOFOLLOW``: a data file or ``metadata.json``
+that is a symbolic link is refused (``CorruptCheckpointError`` naming it), never followed to a
+file outside the checkpoint, and a write never goes through a link planted at its name (the
+name is removed and the file created with ``O_EXCL``). The root itself may be a symlink.
+
+``put_atomic(..., if_match=)`` takes an exclusive ``flock`` on the current file for the check
+and the rename, so two conditional replacements are one-at-a-time between processes. On NFS
+that holds across hosts where the mount forwards ``flock`` to the server (NFSv4, or NFSv3 with
+``lockd``; not with ``nolock`` or ``local_lock=flock|all``, where it holds on one host only).
+"""
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import os
 import sys
 import threading
@@ -64,6 +77,7 @@ def _load_sync_file_range():
 
 
 _sync_file_range = _load_sync_file_range()
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LocalStorage:
@@ -84,12 +98,29 @@ class LocalStorage:
         finally:
             os.close(fd)
 
+    def _open(self, name: str, flags: int) -> int:
+        """``os.open`` of a file inside the root that refuses a symbolic link at ``name``."""
+        path = self._path(name)
+        try:
+            return os.open(path, flags | _NOFOLLOW)
+        except OSError as e:
+            if e.errno == errno.ELOOP and os.path.islink(path):
+                raise CorruptCheckpointError(
+                    f"{path}: is a symbolic link; shardsafe does not follow links for the files of a checkpoint "
+                    f"(it may point outside the checkpoint): replace it with the file itself"
+                ) from None
+            raise
+
     @contextmanager
     def write_file(self, name: str) -> Iterator[_FileWriter]:
         path = self._path(name)
         try:
             os.makedirs(self.root, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:  # a file (or a planted link, never its target) of that name is replaced
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
         except OSError as e:
             raise StorageError(f"{path}: cannot create data file: {e.strerror}") from e
         ok = False
@@ -105,21 +136,28 @@ class LocalStorage:
                 _unlink_quietly(path)
         self._fsync_root()
 
-    def put_atomic(self, name: str, data: bytes, *, overwrite: bool) -> None:
+    def put_atomic(self, name: str, data: bytes, *, overwrite: bool, if_match: str | None = None) -> None:
         path = self._path(name)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
             os.makedirs(self.root, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
             try:
                 _FileWriter(fd).write(memoryview(data))
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            if overwrite:
+            if if_match is not None:
+                self._replace_if(name, tmp, if_match)
+            elif overwrite:
                 os.replace(tmp, path)
             else:
-                os.link(tmp, path)  # fails if ``path`` exists: a no-clobber atomic create
+                try:
+                    os.link(tmp, path)  # fails if ``path`` exists: a no-clobber atomic create
+                except FileNotFoundError:
+                    if os.path.lexists(path):  # our temporary file was swept by the save that committed
+                        raise FileExistsError(errno.EEXIST, f"{path} already exists") from None
+                    raise
                 os.unlink(tmp)
             self._fsync_root()
         except FileExistsError:
@@ -129,13 +167,51 @@ class LocalStorage:
             _unlink_quietly(tmp)
             raise StorageError(f"{path}: cannot write: {e.strerror}") from e
 
+    def _replace_if(self, name: str, tmp: str, if_match: str) -> None:
+        """Rename ``tmp`` over ``name`` if ``name`` still is version ``if_match``.
+
+        The check and the rename happen under an exclusive ``flock`` on the file being replaced,
+        which every conditional replacement takes: of two writers that read the same version,
+        the second gets the lock after the first renamed, finds that the name no longer refers
+        to the file it locked, and fails.
+        """
+        path = self._path(name)
+        changed = FileExistsError(errno.EEXIST, f"{path} is no longer the version this writer read")
+        try:
+            try:
+                fd = self._open(name, os.O_RDWR)  # an exclusive flock over NFS needs a writable file
+            except PermissionError:
+                fd = self._open(name, os.O_RDONLY)
+        except (FileNotFoundError, CorruptCheckpointError):  # removed, or replaced by a link
+            raise changed from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _version(fd) != if_match or not self._still_at(name, fd):
+                raise changed
+            os.replace(tmp, path)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _still_at(self, name: str, fd: int) -> bool:
+        """Whether ``name`` refers to the file open as ``fd`` (opened anew, so an NFS client
+        revalidates the name rather than trusting its cache)."""
+        try:
+            other = self._open(name, os.O_RDONLY)
+        except (FileNotFoundError, CorruptCheckpointError):
+            return False
+        try:
+            a, b = os.fstat(fd), os.fstat(other)
+        finally:
+            os.close(other)
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
     def _fd(self, name: str) -> int:
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
                 path = self._path(name)
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = self._open(name, os.O_RDONLY)
                 except FileNotFoundError:
                     raise CorruptCheckpointError(f"{path}: data file named in the metadata is missing") from None
                 except OSError as e:
@@ -168,10 +244,20 @@ class LocalStorage:
                 views[0] = views[0][n:]
 
     def read(self, name: str) -> bytes:
+        return self._read(name, versioned=False)[0]
+
+    def read_versioned(self, name: str) -> tuple[bytes, str]:
+        return self._read(name, versioned=True)
+
+    def _read(self, name: str, *, versioned: bool) -> tuple[bytes, str]:
         path = self._path(name)
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            fd = self._open(name, os.O_RDONLY)
+            try:
+                data = _read_all(fd)
+                return data, _token(os.fstat(fd), data) if versioned else ""
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             raise
         except OSError as e:
@@ -193,6 +279,28 @@ class LocalStorage:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    chunks, pos = [], 0
+    while True:
+        chunk = os.pread(fd, max(size - pos, 1 << 16), pos)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        pos += len(chunk)
+
+
+def _token(st: os.stat_result, data: bytes) -> str:
+    """A version token: the file (device, inode, change time) and a hash of its bytes. Every
+    commit renames a new file into place, so its inode and ctime differ from the one replaced;
+    the hash keeps a reused inode number with other contents from passing for the old file."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}:{hashlib.sha256(data).hexdigest()}"
+
+
+def _version(fd: int) -> str:
+    return _token(os.fstat(fd), _read_all(fd))
 
 
 def _unlink_quietly(path: str) -> None:

@@ -6,6 +6,7 @@ the same process see the same files.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,8 @@ __all__ = ["MemoryStorage"]
 
 _LOCK = threading.Lock()
 _STORES: dict[str, dict[str, bytes]] = {}
+_VERSIONS: dict[str, dict[str, int]] = {}  # url -> name -> version, each write a new number
+_NEXT_VERSION = itertools.count(1)
 
 
 class _BufferWriter:
@@ -32,6 +35,11 @@ class MemoryStorage:
         self.url = url.rstrip("/")
         with _LOCK:
             self._files = _STORES.setdefault(self.url, {})
+            self._versions = _VERSIONS.setdefault(self.url, {})
+
+    def _set(self, name: str, data: bytes) -> None:  # with _LOCK held
+        self._files[name] = data
+        self._versions[name] = next(_NEXT_VERSION)
 
     @contextmanager
     def write_file(self, name: str) -> Iterator[_BufferWriter]:
@@ -39,14 +47,17 @@ class MemoryStorage:
         w = _BufferWriter()
         yield w
         with _LOCK:
-            self._files[name] = bytes(w.buf)
+            self._set(name, bytes(w.buf))
 
-    def put_atomic(self, name: str, data: bytes, *, overwrite: bool) -> None:
+    def put_atomic(self, name: str, data: bytes, *, overwrite: bool, if_match: str | None = None) -> None:
         check_name(name)
         with _LOCK:
-            if not overwrite and name in self._files:
+            if if_match is not None:
+                if name not in self._files or str(self._versions[name]) != if_match:
+                    raise FileExistsError(f"{self.url}/{name} is no longer the version this writer read")
+            elif not overwrite and name in self._files:
                 raise FileExistsError(f"{self.url}/{name}")
-            self._files[name] = bytes(data)
+            self._set(name, bytes(data))
 
     def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
         data = self._get(name)
@@ -68,12 +79,16 @@ class MemoryStorage:
             raise CorruptCheckpointError(f"{self.url}/{name}: data file named in the metadata is missing") from None
 
     def read(self, name: str) -> bytes:
+        return self.read_versioned(name)[0]
+
+    def read_versioned(self, name: str) -> tuple[bytes, str]:
         check_name(name)
         with _LOCK:
             data = self._files.get(name)
+            version = self._versions.get(name)
         if data is None:
             raise FileNotFoundError(f"{self.url}/{name}")
-        return data
+        return data, str(version)
 
     def list(self) -> list[str]:
         with _LOCK:
@@ -82,6 +97,7 @@ class MemoryStorage:
     def delete(self, name: str) -> None:
         with _LOCK:
             self._files.pop(check_name(name), None)
+            self._versions.pop(name, None)
 
     def close(self) -> None:
         pass

@@ -8,8 +8,10 @@ How the :class:`~shardsafe.storage.Storage` calls map onto requests:
   completes; if the body or an upload request fails, the upload is aborted. A file smaller
   than one part is sent with one PUT.
 - ``put_atomic``: one PUT. ``overwrite=False`` is a conditional create (``If-None-Match: *`` on
-  S3 and Azure, ``x-goog-if-generation-match: 0`` on GCS): of two racing commits one wins and
-  the other gets ``FileExistsError``.
+  S3 and Azure, ``x-goog-if-generation-match: 0`` on GCS), ``if_match`` a conditional replace
+  (``If-Match: <etag>`` on S3 and Azure, ``x-goog-if-generation-match: <generation>`` on GCS):
+  of two racing commits one wins and the other gets ``FileExistsError``.
+- ``read_versioned``: a GET; the version token is the object's ETag and version (generation).
 - ``read_into``: ranged GETs of at most ``get_bytes`` each, up to ``concurrency`` in flight,
   each copied into the caller's buffers as it lands. ``read_spans_into`` (not part of the
   ``Storage`` protocol) fetches many separate ranges of one file concurrently.
@@ -20,11 +22,17 @@ off mid-transfer, are retried with exponential backoff and jitter, up to ``max_r
 and no later than ``retry_timeout_s`` after the first try. Other errors (403, 404 on the
 bucket, 400) fail at once with a :class:`~shardsafe.StorageError` naming the URL and the
 server's answer.
+
+obstore runs its requests on one I/O runtime per process, whose threads do not survive
+``fork()``: in a process forked after this one made a request, any request would hang. Every
+call there fails at once with a ``StorageError`` saying so instead (see :func:`_check_fork`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -98,6 +106,7 @@ class ObjectStorage:
 
     @contextmanager
     def write_file(self, name: str) -> Iterator[_PartWriter]:
+        _check_fork(self.url)
         import obstore
 
         check_name(name)
@@ -121,26 +130,33 @@ class ObjectStorage:
             if "already closed" not in str(e):
                 log.warning("%s/%s: could not abort the multipart upload: %s", self.url, name, _describe(e))
 
-    def put_atomic(self, name: str, data: bytes, *, overwrite: bool) -> None:
+    def put_atomic(self, name: str, data: bytes, *, overwrite: bool, if_match: str | None = None) -> None:
+        _check_fork(self.url)
         import obstore
-        from obstore.exceptions import AlreadyExistsError, NotSupportedError, PreconditionError
+        from obstore.exceptions import AlreadyExistsError, NotFoundError, NotSupportedError, PreconditionError
 
         check_name(name)
         try:
-            if overwrite:
+            if if_match is None and overwrite:
                 obstore.put(self._store, name, data, mode="overwrite", use_multipart=False)
                 return
+            mode: Any = "create" if if_match is None else json.loads(if_match)
             try:
-                obstore.put(self._store, name, data, mode="create", use_multipart=False)
-            except (AlreadyExistsError, PreconditionError) as e:
-                # a create retried after a lost answer finds its own first try: same bytes, ours
+                obstore.put(self._store, name, data, mode=mode, use_multipart=False)
+            except (AlreadyExistsError, PreconditionError, NotFoundError) as e:
+                if isinstance(e, NotFoundError) and _is_missing_container(e):
+                    raise
+                # a put retried after a lost answer finds its own first try: same bytes, ours
                 if _retries(e) > 0 and self._read_or_none(name) == bytes(data):
                     return
-                raise FileExistsError(f"{self.url}/{name} already exists") from None
+                what = "already exists" if if_match is None else "is no longer the version this writer read"
+                raise FileExistsError(f"{self.url}/{name} {what}") from None
             except NotSupportedError:
-                log.warning("%s: the store has no conditional put; checking for %s, then writing it", self.url, name)
-                if self._read_or_none(name) is not None:
-                    raise FileExistsError(f"{self.url}/{name} already exists") from None
+                log.warning("%s: the store has no conditional put; checking %s, then writing it", self.url, name)
+                current = self._read_versioned_or_none(name)
+                if (current is not None) if if_match is None else (current is None or current[1] != if_match):
+                    what = "already exists" if if_match is None else "is no longer the version this writer read"
+                    raise FileExistsError(f"{self.url}/{name} {what}") from None
                 obstore.put(self._store, name, data, mode="overwrite", use_multipart=False)
         except FileExistsError:
             raise
@@ -150,6 +166,7 @@ class ObjectStorage:
     # --- reading -------------------------------------------------------------------------------
 
     def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
+        _check_fork(self.url)
         check_name(name)
         views = [memoryview(b).cast("B") for b in buffers]
         want = sum(v.nbytes for v in views)
@@ -176,6 +193,7 @@ class ObjectStorage:
         """Fill each buffer with the bytes of the file at its offset, all ranges fetched
         concurrently (up to 10 in flight), none merged: for many small reads of one file, such
         as the rows of a strided box, where ``read_into`` per span would wait for each GET."""
+        _check_fork(self.url)
         import obstore
 
         check_name(name)
@@ -237,23 +255,36 @@ class ObjectStorage:
         return CorruptCheckpointError(f"{self.url}/{name}: truncated: needed bytes [{offset}, {offset + want}) but the file has {size}")
 
     def read(self, name: str) -> bytes:
+        return self.read_versioned(name)[0]
+
+    def read_versioned(self, name: str) -> tuple[bytes, str]:
+        _check_fork(self.url)
         import obstore
 
         check_name(name)
         try:
-            return obstore.get(self._store, name).bytes().to_bytes()
+            got = obstore.get(self._store, name)
+            data = got.bytes().to_bytes()
         except Exception as e:
             if _is_missing_object(e):
                 raise FileNotFoundError(f"{self.url}/{name}") from None
             raise self._error(e, name, "read failed") from e
+        meta = got.meta
+        version = {k: meta[k] for k in ("e_tag", "version") if meta.get(k) is not None}
+        return data, json.dumps(version, sort_keys=True)
 
     def _read_or_none(self, name: str) -> bytes | None:
+        got = self._read_versioned_or_none(name)
+        return None if got is None else got[0]
+
+    def _read_versioned_or_none(self, name: str) -> tuple[bytes, str] | None:
         try:
-            return self.read(name)
+            return self.read_versioned(name)
         except FileNotFoundError:
             return None
 
     def list(self) -> list[str]:
+        _check_fork(self.url)
         import obstore
 
         try:
@@ -263,6 +294,7 @@ class ObjectStorage:
         return sorted(o["path"].rsplit("/", 1)[-1] for o in found["objects"])
 
     def delete(self, name: str) -> None:
+        _check_fork(self.url)
         import obstore
 
         check_name(name)
@@ -275,10 +307,11 @@ class ObjectStorage:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
-        if pool is not None:
+        if pool is not None and _RUNTIME_PID in (None, os.getpid()):  # a forked child has none of its threads
             pool.shutdown(wait=True)
 
     def _executor(self) -> ThreadPoolExecutor:
+        _check_fork(self.url)  # a forked child has none of the pool's threads: its work would wait forever
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="shardsafe-get")
@@ -289,6 +322,32 @@ class ObjectStorage:
     def _error(self, e: BaseException, name: str | None, action: str) -> StorageError:
         where = f"{self.url}/{name}" if name else self.url
         return StorageError(f"{where}: {action}: {_describe(e)}{_hint(e)}")
+
+
+# --- fork ----------------------------------------------------------------------------------------
+
+_RUNTIME_PID: int | None = None  # the process in which this module first sent a request
+
+
+def _check_fork(url: str) -> None:
+    """Refuse a request in a process forked from one that had already sent requests.
+
+    obstore (through ``pyo3-async-runtimes``) starts one tokio runtime per process, on first
+    use, and keeps it for good; ``fork()`` copies the runtime's state but none of its threads,
+    so in the child every request, with any store object, old or new, waits forever. A fresh
+    client cannot help, so the child fails at once, with the way out in the message.
+    """
+    global _RUNTIME_PID
+    pid = os.getpid()
+    if _RUNTIME_PID is None:
+        _RUNTIME_PID = pid
+    elif _RUNTIME_PID != pid:
+        raise StorageError(
+            f"{url}: this process (pid {pid}) was forked from process {_RUNTIME_PID} after that process had used an "
+            "object store, and the object-store client's I/O runtime does not survive fork(): every request here would "
+            "hang. Start worker processes with the 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn'), "
+            "DataLoader(..., multiprocessing_context='spawn')), or fork them before the first object-store access"
+        )
 
 
 # Errors come from obstore as text: "<summary>: Error performing GET <url> in 3ms - Server returned
@@ -318,8 +377,12 @@ def _is_missing_object(e: BaseException) -> bool:
     """A 404 for the object itself, as opposed to a missing bucket or container."""
     from obstore.exceptions import NotFoundError
 
+    return (isinstance(e, NotFoundError) or isinstance(e, FileNotFoundError)) and not _is_missing_container(e)
+
+
+def _is_missing_container(e: BaseException) -> bool:
     text = str(e)
-    return (isinstance(e, NotFoundError) or isinstance(e, FileNotFoundError)) and not any(s in text for s in _MISSING_CONTAINER)
+    return any(s in text for s in _MISSING_CONTAINER)
 
 
 def _describe(e: BaseException) -> str:
