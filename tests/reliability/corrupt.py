@@ -164,7 +164,7 @@ def run_corrupt(trials: int, seed: int, *, workdir: str | None = None, sandbox: 
                 res = box.call(run_path, case, path, out, copy, roots=[copy, out, *truth_files(case)])
                 outcome = classify(path, res, damage)
                 detail = res.message if res.kind != "returned" else (res.value or "returned without error")
-                report.add(outcome, f"{case.kind}, {damage}: {res.error_type} {detail}".strip(), path=path)
+                report.add(outcome, f"{case.kind}, {damage}: {res.error_type} {detail}".strip(), path=f"{damage.kind}/{path}")
             report.trials += 1
             shutil.rmtree(copy)
     finally:

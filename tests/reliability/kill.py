@@ -34,7 +34,7 @@ from .corrupt import classify
 from .kill_child import child
 from .paths import run_path
 from .report import Report
-from .sandbox import _CTX, Result, Sandbox
+from .sandbox import CONTEXT, Result, Sandbox
 from .states import Case, single_state, truth_files, write_state_truth
 
 __all__ = ["ALLOWED_EXTRA", "EXACT_POINTS", "litter", "resave", "run_kill"]
@@ -62,7 +62,7 @@ def _start(world: int, root: str, plan: dict[str, Any]) -> list:
     from ..distributed import free_port
 
     port = free_port()
-    procs = [_CTX.Process(target=child, args=(r, world, port, root, plan), daemon=True) for r in range(world)]
+    procs = [CONTEXT.Process(target=child, args=(r, world, port, root, plan), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     return procs
@@ -271,6 +271,11 @@ def run_kill(trials: int, seed: int, *, workdir: str | None = None, timeout: flo
                 report.add(status, f"{label} {pt}: {_errors(trial)}", path=label)
                 shutil.rmtree(trial, ignore_errors=True)
                 continue
+            for r in range(sc["world"]):  # a rank that outlived its killed peer and raised: which error?
+                path = os.path.join(trial, f"error-r{r}.txt")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        report.notes[f"survivor-raised:{f.readline().strip().removeprefix('builtins.')}"] += 1
             done, flight = _log(trial)
             kind = "sharded" if sc["world"] > 1 else "single"
             found = []

@@ -14,7 +14,9 @@ imported) with a plan:
 
 Rank 0 appends ``start <i>`` before save ``i`` and ``done <i>`` after it returned to ``log``
 (unbuffered, so a SIGKILL loses nothing written); every rank touches ``ready-r<rank>`` once its
-state is built, just before the first save. The patches live in this process only.
+state is built, just before the first save. A rank that raises (as one whose peer was killed
+may) writes the exception's type and traceback to ``error-r<rank>.txt`` and exits with 1. The
+patches live in this process only.
 """
 
 from __future__ import annotations
@@ -68,10 +70,10 @@ def child(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> 
     """Run ``plan`` as rank ``rank`` of ``world``; see the module docstring."""
     try:
         _run(rank, world, port, root, plan)
-    except BaseException:
+    except BaseException as e:  # noqa: BLE001 - e.g. a rank whose peer was killed: reported by the parent
         with open(os.path.join(root, f"error-r{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+            f.write(f"{type(e).__module__}.{type(e).__qualname__}\n{traceback.format_exc()}")
+        sys.exit(1)
 
 
 def _run(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> None:

@@ -29,7 +29,6 @@ PATHS = {
     "single": ("same", "reshard-2", "unshard", "export", "verify"),
     "model": ("load-model-optim", "unshard-model", "unshard-optim", "unshard", "export", "verify"),
 }
-DATA_PATHS = frozenset({"same", "reshard-2", "reshard-3", "load-model-optim"})  # may skip bytes they do not need
 
 
 @lru_cache(maxsize=16)

@@ -39,6 +39,7 @@ class Report:
     counts: Counter = field(default_factory=Counter)
     by_path: dict[str, Counter] = field(default_factory=dict)  # read path (or phase) -> outcome counts
     examples: dict[str, list[str]] = field(default_factory=dict)
+    notes: Counter = field(default_factory=Counter)  # observations that are no outcome (not good, not bad)
 
     def add(self, outcome: str, example: str = "", *, path: str = "") -> None:
         self.counts[outcome] += 1
@@ -67,6 +68,8 @@ class Report:
         for p in paths:
             row = self.by_path.get(p, self.counts)
             lines.append(f"{p:<{width}} | " + " | ".join(f"{row.get(o, 0):>{len(o)}}" for o in outcomes))
+        if self.notes:
+            lines.append(f"  notes: {dict(sorted(self.notes.items()))}")
         for outcome, kept in sorted(self.examples.items()):
             lines.append(f"  {outcome}:")
             lines += [f"    - {e[:400]}" for e in kept]
@@ -81,6 +84,7 @@ class Report:
             "ok": self.ok,
             "bad": self.bad,
             "counts": dict(sorted(self.counts.items())),
+            "notes": dict(sorted(self.notes.items())),
         }
         return "RELIABILITY " + json.dumps(doc, sort_keys=True)
 

@@ -326,13 +326,6 @@ def compare(got: Any, want: Any, where: str) -> str:
     return ""
 
 
-def listing(path: str) -> list[str]:
-    try:
-        return sorted(os.listdir(path))
-    except FileNotFoundError:
-        return []
-
-
 def build_cases(root: str, *, large: bool = False, version: int = 1) -> list[Case]:
     """Save one checkpoint of every kind under ``root`` (the ``sharded`` one on 2 gloo ranks)."""
     from ..distributed import run_ranks
