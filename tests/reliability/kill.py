@@ -24,10 +24,12 @@ import json
 import multiprocessing.connection as mpc
 import os
 import random
+import re
 import shutil
 import signal
 import tempfile
 import time
+from collections import Counter
 from typing import Any
 
 from .corrupt import classify
@@ -146,8 +148,9 @@ def litter(directory: str, data_files: set[str]) -> list[str]:
 
 
 def _check_dir(box: Sandbox, root: str, kind: str, name: str, committed: int | None, flight: int | None,
-               truths: dict[tuple[str, int], str], out: str) -> list[tuple[str, str]]:
-    """Outcomes (and details) of the checks of one directory after the kill."""
+               truths: dict[tuple[str, int], str], out: str, notes: Counter) -> list[tuple[str, str]]:
+    """Outcomes (and details) of the checks of one directory after the kill; the kinds of litter
+    found go to ``notes``."""
     d = os.path.join(root, name)
     found: list[tuple[str, str]] = []
     candidates = [v for v in (committed, flight) if v is not None]
@@ -183,6 +186,7 @@ def _check_dir(box: Sandbox, root: str, kind: str, name: str, committed: int | N
         return found
     if res.value:
         found.append(("litter", f"{name}: {res.value}"))
+        notes.update(f"litter:{re.sub(r'[0-9a-f]{8,}', '*', n)}" for n in res.value)
     case = Case("single", d, NEXT_VERSION, True, truths[("single", NEXT_VERSION)])
     for path in ("unshard", "verify"):
         res = box.call(run_path, case, path, out, roots=[d, out, *truth_files(case)])
@@ -287,7 +291,7 @@ def run_kill(trials: int, seed: int, *, workdir: str | None = None, timeout: flo
                     continue
                 found += [(o, f"{label} n={pt and pt['n']} {status}, dir {name} (committed v{committed}, "
                               f"in flight v{inflight}): {d}") for o, d in
-                          _check_dir(box, trial, kind, name, committed, inflight, truths, out)]
+                          _check_dir(box, trial, kind, name, committed, inflight, truths, out, report.notes)]
             if not found:
                 report.add("ok", path=label)
             for outcome, detail in dict(found).items():

@@ -71,8 +71,10 @@ def child(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> 
     try:
         _run(rank, world, port, root, plan)
     except BaseException as e:  # noqa: BLE001 - e.g. a rank whose peer was killed: reported by the parent
-        with open(os.path.join(root, f"error-r{rank}.txt"), "w") as f:
+        path = os.path.join(root, f"error-r{rank}.txt")
+        with open(path + ".tmp", "w") as f:  # renamed when whole: this rank may be killed meanwhile
             f.write(f"{type(e).__module__}.{type(e).__qualname__}\n{traceback.format_exc()}")
+        os.rename(path + ".tmp", path)
         sys.exit(1)
 
 

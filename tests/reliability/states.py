@@ -8,9 +8,10 @@ Three kinds, each a function of a ``version`` (so a saver and a checker agree wi
 - ``single``: one process, plain tensors of several dtypes (0-d and empty included) and values;
 - ``model``: ``save_model_and_optim_state`` of a small model and its Adam state (one process).
 
-Each saver also writes the truth beside the checkpoint (``truth.safetensors`` + ``truth.json``,
-keys as stored), taken from the values it saved. ``pieces`` gives the layouts to load back: the
-saved one (per saving rank) and others, as ``ShardedTensor`` targets any one process can load.
+Each saver also writes the truth beside the checkpoint (``<dir>.truth.safetensors`` and
+``<dir>.truth.json``, keys as stored), taken from the values it saved. :func:`layouts` gives the
+layouts to load back: the saved one (per saving rank) and others, as ``ShardedTensor`` targets
+(:func:`targets`) that any one process can load.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from shardsafe import Checkpointer, ShardedTensor
 __all__ = [
     "KINDS",
     "Case",
-    "build_cases",
     "Piece",
+    "build_cases",
     "compare",
+    "expected_piece",
+    "fresh_model_and_optim",
     "layouts",
     "read_truth",
     "save_case",
