@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-reshard test lint bench-plan clean
+.PHONY: demo demo-reshard test reliability lint bench-plan clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -22,6 +22,11 @@ demo-reshard: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup tests
+
+# kill -9, corruption, metadata fuzzing and racing jobs, hundreds of trials each (about 10 minutes);
+# `make test` runs a fast seeded subset of the same campaigns
+reliability: $(STAMP)
+	$(PY) -m tests.reliability --full
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -14,7 +14,10 @@ a fault; the kinds take turns:
   know (not GET).
 
 ``limit`` caps the number of faults injected. ``deny(pattern, status)`` answers every request
-whose ``path?query`` matches with a permanent error instead.
+whose ``path?query`` matches with a permanent error instead. ``corrupt(pattern, at=n)`` flips
+bits of byte ``n`` of an object in every successful GET answer that carries it, status,
+headers and length left as the server sent them (its own checks passed): only a checksum of
+the content can tell.
 
 The proxy is a thread per connection with HTTP/1.1 keep-alive, forwarding over one persistent
 upstream connection per thread. Bodies are held in memory: it is for tests, not for speed.
@@ -73,6 +76,7 @@ class _Plan:
     limit: int | None = None
     injected: Counter = field(default_factory=Counter)
     denied: list[list] = field(default_factory=list)  # [pattern, methods, status, requests still let through]
+    corrupted: list[list] = field(default_factory=list)  # [pattern, object byte or None, mask, answers left or None]
 
 
 class FaultyProxy:
@@ -133,6 +137,34 @@ class FaultyProxy:
         for good, once ``after`` matching requests have been let through."""
         with self._lock:
             self._plan.denied.append([re.compile(path), frozenset(methods) if methods else None, status, after])
+
+    def corrupt(self, path: str, *, at: int | None = None, mask: int = 0x01, limit: int | None = None) -> None:
+        """Flip the bits ``mask`` of byte ``at`` of every object whose path matches ``path`` (a
+        regex) in each successful GET answer that carries that byte (ranged or whole), for at
+        most ``limit`` answers (None: no limit). ``at=None``: a byte of the body drawn by the
+        seeded generator. Records of those answers have ``fault="corrupt"``."""
+        if not 0 < mask < 256:
+            raise ValueError(f"mask must flip some bits of one byte, got {mask:#x}")
+        with self._lock:
+            self._plan.corrupted.append([re.compile(path), at, mask, limit])
+
+    def _corruption(self, path: str, start: int, length: int) -> tuple[int, int] | None:
+        """Body position and mask to flip in a GET answer for object bytes [start, start+length)."""
+        with self._lock:
+            for rule in self._plan.corrupted:
+                pattern, at, mask, left = rule
+                if not pattern.search(path) or left == 0 or length == 0:
+                    continue
+                if at is None:
+                    pos = self._rng.randrange(length)
+                elif start <= at < start + length:
+                    pos = at - start
+                else:
+                    continue
+                if left is not None:
+                    rule[3] -= 1
+                return pos, mask
+        return None
 
     def clear(self) -> None:
         """No faults, no denials; the records are kept."""
@@ -299,6 +331,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(resp, body_override=half)
             self._reset()
             return
+        if self.command == "GET" and resp.status in (200, 206):
+            flip = owner._corruption(upath, _content_start(resp), len(resp.body))
+            if flip is not None:
+                pos, mask = flip
+                body = bytearray(resp.body)
+                body[pos] ^= mask
+                record(resp.status, len(body), "corrupt")
+                self._send(resp, body_override=bytes(body))
+                return
         record(resp.status, 0 if self.command == "HEAD" else len(resp.body), None)
         self._send(resp)
 
@@ -317,6 +358,18 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(resp.body if body_override is None else body_override)
         self.wfile.flush()
+
+
+def _content_start(resp: Response) -> int:
+    """Offset in the object of the first byte of a GET answer's body (``Content-Range`` of a 206)."""
+    if resp.status != 206:
+        return 0
+    for k, v in resp.headers:
+        if k.lower() == "content-range":
+            m = re.match(r"\s*bytes\s+(\d+)-", v)
+            if m:
+                return int(m.group(1))
+    return 0
 
 
 _CODES = {

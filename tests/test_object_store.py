@@ -326,6 +326,49 @@ def test_verify_finds_a_damaged_object(object_cloud) -> None:
         Checkpointer().load(storage, {"w": torch.zeros(40, 40)})
 
 
+def _read_through_corruption(read: str, storage, tmp_path) -> None:
+    if read == "load":
+        Checkpointer().load(storage, {"w": torch.zeros(40, 40), "step": 0})
+    elif read == "reshard":  # rows 0-19 only: part of the stored chunk
+        part = shardsafe.ShardedTensor.from_rank_offsets("w", torch.zeros(20, 40), (0, 0, 2))
+        Checkpointer().load(storage, {"w": part})
+    elif read == "unshard":
+        Checkpointer().unshard(storage)
+    elif read == "export":
+        shardsafe.unshard_to_safetensors(storage, tmp_path / "out.safetensors")
+    else:
+        verify(storage)
+
+
+@pytest.mark.parametrize("read", ["load", "reshard", "unshard", "export", "verify"])
+def test_a_body_corrupted_in_transit_is_caught_by_our_checksums(object_cloud, tmp_path, read: str) -> None:
+    """The server answers 200/206 with its own length and ETag, so its checks pass; one byte of
+    the chunk was flipped on the way. Every read path that returns that byte must refuse it,
+    naming the file and the key."""
+    c = object_cloud
+    storage = _open(c)
+    meta, _ = Checkpointer().save(storage, {"w": _full("w", (40, 40), torch.float32), "step": 1234})
+    ((name, spec),) = list(meta.tensors["w"].chunks())
+    c.proxy.corrupt(rf"/{name}$", at=spec.byte_range[0] + 4 * 7 + 2)  # row 0, element 7
+    with pytest.raises(CorruptCheckpointError, match=rf"(?s)(?=.*{name})(?=.*'w')"):
+        _read_through_corruption(read, storage, tmp_path)
+    assert "corrupt" in {r.fault for r in c.proxy.snapshot()}
+
+
+def test_metadata_corrupted_in_transit_is_caught_by_our_checksum(object_cloud) -> None:
+    """One digit of a stored value changes on the way (the JSON stays valid): the checksum of
+    metadata.json must catch it, not the caller's training loop."""
+    c = object_cloud
+    storage = _open(c)
+    Checkpointer().save(storage, {"w": _full("w", (4, 4), torch.float32), "step": 1234})
+    raw = storage.read("metadata.json")
+    c.proxy.corrupt(r"/metadata\.json$", at=raw.index(b"1234") + 3)  # "1234" -> "1235"
+    target = {"w": torch.zeros(4, 4), "step": 0}
+    with pytest.raises(CorruptCheckpointError, match="metadata.json"):
+        Checkpointer().load(storage, target)
+    assert "corrupt" in {r.fault for r in c.proxy.snapshot()}
+
+
 # --- uploads and ranged reads ------------------------------------------------------------------
 
 

@@ -1,0 +1,1 @@
+"""Reliability campaigns: kill -9, corruption, metadata fuzzing and racing jobs (``python -m tests.reliability``)."""

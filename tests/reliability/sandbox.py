@@ -1,0 +1,235 @@
+"""Run library calls in a worker process that bounds their time and memory and watches their files.
+
+A :class:`Sandbox` keeps one worker (a forkserver child with torch and shardsafe imported) and
+runs module-level functions in it, one call at a time. Each call:
+
+- may use at most ``memory_bytes`` of address space beyond what the worker had when the call
+  started (``RLIMIT_AS``): a library that trusts a size from a damaged file fails to allocate
+  instead of exhausting the machine, and the call is reported with ``memory=True``;
+- gets ``timeout`` seconds (``SIGALRM`` raises in the worker); one that does not come back
+  ``grace`` seconds later either (stuck in C) has its worker killed; both report ``hang``;
+- is watched by an audit hook (:func:`sys.addaudithook`): every path it opens, lists, renames,
+  links or removes, resolved through symlinks, must lie under one of the call's ``roots``;
+  others are reported in ``outside`` (reading Python's own modules and ``/proc``, ``/sys``,
+  ``/dev`` is not counted).
+
+A worker killed by a signal reports ``crashed``; the next call starts a new one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CONTEXT", "Result", "Sandbox"]
+
+# forkserver children start in milliseconds with torch already imported (the same preload as tests/distributed.py)
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardsafe"])
+
+_PATH_EVENTS = {
+    "open": (0,),
+    "os.listdir": (0,),
+    "os.scandir": (0,),
+    "os.rename": (0, 1),
+    "os.replace": (0, 1),
+    "os.link": (0, 1),
+    "os.symlink": (0, 1),
+    "os.remove": (0,),
+    "os.rmdir": (0,),
+    "os.mkdir": (0,),
+    "os.truncate": (0,),
+    "os.chmod": (0,),
+}
+_MODULE_FILES = (".py", ".pyc", ".so", ".pth", ".typed")
+
+
+@dataclass
+class Result:
+    """What one call did."""
+
+    kind: str  # "returned" | "raised" | "hang" | "crashed"
+    value: Any = None
+    error_type: str = ""  # qualified name of the exception's class
+    message: str = ""
+    checkpoint_error: bool = False  # the exception is a shardsafe.errors.CheckpointError
+    memory: bool = False  # it failed for lack of memory (the bound was hit)
+    outside: list[str] = field(default_factory=list)  # accesses outside the call's roots
+    seconds: float = 0.0
+
+
+class CallTimeout(BaseException):
+    """Raised in the worker when a call runs past its time."""
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _serve(conn, memory_bytes: int) -> None:
+    import resource
+    import signal
+    import tempfile
+
+    from shardsafe.errors import CheckpointError
+
+    local = threading.local()
+    state: dict[str, Any] = {"active": False, "roots": (), "outside": []}
+    # where imports come from; not a folder holding the temporary directory (the campaigns' files
+    # are there: a script run from /tmp has /tmp on sys.path)
+    temp = os.path.realpath(tempfile.gettempdir()) + os.sep
+    module_dirs = tuple(sorted(
+        d for d in {os.path.realpath(p) + os.sep for p in [*sys.path, sys.prefix, sys.base_prefix] if p}
+        if not temp.startswith(d)
+    ))
+
+    def allowed(event: str, real: str) -> bool:
+        if any(real == r.rstrip(os.sep) or real.startswith(r) for r in state["roots"]):
+            return True
+        if real.startswith(("/proc/", "/sys/", "/dev/")):
+            return True
+        if event in ("os.listdir", "os.scandir") or real.endswith(_MODULE_FILES):  # imports
+            return (real + os.sep).startswith(module_dirs)
+        return False
+
+    def hook(event: str, args: tuple) -> None:
+        which = _PATH_EVENTS.get(event)
+        if which is None or not state["active"] or getattr(local, "busy", False):
+            return
+        local.busy = True
+        try:
+            for i in which:
+                if i >= len(args) or not isinstance(args[i], (str, bytes, os.PathLike)):
+                    continue
+                raw = os.fsdecode(args[i])
+                real = os.path.realpath(raw)
+                if not allowed(event, real):
+                    seen = f"{event} {raw}" + (f" -> {real}" if real != os.path.abspath(raw) else "")
+                    state["outside"].append(seen)
+        except Exception:  # noqa: BLE001 - a hook must not break the call it watches
+            pass
+        finally:
+            local.busy = False
+
+    # what Python and torch do once per process, outside any call: probe the temporary directory
+    # with a file; import dynamo (an optimizer's load_state_dict does), which makes a cache folder
+    tempfile.gettempdir()
+    import torch
+
+    opt = torch.optim.Adam(torch.nn.Linear(1, 1).parameters())
+    opt.load_state_dict(opt.state_dict())
+    sys.addaudithook(hook)
+
+    def on_alarm(signum, frame):
+        raise CallTimeout()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        fn, args, roots, timeout = msg
+        limit = _vm_size() + memory_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+        state.update(roots=tuple(os.path.realpath(r) + os.sep for r in roots), outside=[], active=True)
+        start = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            try:
+                res = Result("returned", value=fn(*args))
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                state["active"] = False
+        except CallTimeout:
+            res = Result("hang", message=f"no answer within {timeout} s")
+        except BaseException as e:  # noqa: BLE001 - reported
+            text = f"{e}"
+            res = Result(
+                "raised", error_type=f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
+                message=text[:4000], checkpoint_error=isinstance(e, CheckpointError),
+                memory=isinstance(e, MemoryError) or "allocate" in text or "can't start new thread" in text,
+            )
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        res.seconds = time.monotonic() - start
+        res.outside = sorted(set(state["outside"]))[:10]
+        try:
+            conn.send(res)
+        except Exception as e:  # noqa: BLE001 - an unpicklable value
+            conn.send(Result("raised", error_type="UnpicklableResult", message=repr(e)))
+
+
+class Sandbox:
+    """One worker process; see the module docstring. Use as a context manager."""
+
+    def __init__(self, *, memory_bytes: int = 1 << 30, timeout: float = 20.0, grace: float = 15.0) -> None:
+        self.memory_bytes = memory_bytes
+        self.timeout = timeout
+        self.grace = grace
+        self._proc = None
+        self._conn = None
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        parent, child = CONTEXT.Pipe()
+        self._proc = CONTEXT.Process(target=_serve, args=(child, self.memory_bytes), daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn = parent
+
+    def _stop(self, kill: bool) -> None:
+        if self._proc is None:
+            return
+        if kill:
+            self._proc.kill()
+        else:
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+        self._proc = self._conn = None
+
+    def close(self) -> None:
+        self._stop(kill=False)
+
+    def call(self, fn: Callable[..., Any], *args: Any, roots: list[str], timeout: float | None = None) -> Result:
+        """Run ``fn(*args)`` in the worker; paths under ``roots`` may be touched."""
+        if self._proc is None:
+            self._start()
+        t = self.timeout if timeout is None else timeout
+        start = time.monotonic()
+        try:
+            self._conn.send((fn, args, list(roots), t))
+            if self._conn.poll(t + self.grace):
+                return self._conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            self._proc.join(timeout=5)
+            code = self._proc.exitcode
+            self._stop(kill=True)
+            return Result("crashed", error_type=f"exit {code}", message=f"the worker died (exit code {code})",
+                          seconds=time.monotonic() - start)
+        self._stop(kill=True)
+        return Result("hang", message=f"no answer within {t + self.grace} s (killed)", seconds=time.monotonic() - start)
