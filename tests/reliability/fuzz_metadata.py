@@ -30,8 +30,11 @@ import tempfile
 import time
 from typing import Any
 
+import xxhash
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
+
+from ..sealing import reseal as _reseal
 
 from .paths import run_path
 from .report import Report
@@ -56,10 +59,23 @@ BOMBS = [2**60, 2**64 - 1, 2**63, 2**32, 100_000_001, 0, 1, 7]
 
 
 def reseal(raw: bytes) -> bytes:
-    """Make mutated ``metadata.json`` bytes pass the format's own integrity check, so the fuzz
-    reaches the parser behind it. The format has no checksum of ``metadata.json`` yet: identity.
-    (When one lands, recompute it here, or the fuzzer only tests the checksum.)"""
-    return raw
+    """Make mutated ``metadata.json`` bytes pass the format's own integrity check (its
+    metadata_checksum, docs/format.md §3.5), so the fuzz reaches the parser behind it."""
+    return _reseal(raw)
+
+
+def _match_files_table(doc: dict[str, Any], directory: str, file: str) -> None:
+    """Record a rewritten data file's size and header digest in the metadata, as a crafted
+    checkpoint would, so that the header itself (not its digest) is what a reader must refuse."""
+    if not isinstance(doc.get("files"), dict) or file not in doc["files"]:
+        return
+    with open(os.path.join(directory, file), "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    entry = {"size": len(data), "header": doc["files"][file]["header"]}
+    if 8 + n <= len(data):
+        entry["header"] = f"{xxhash.xxh3_64_intdigest(data[: 8 + n]):016x}"
+    doc["files"][file] = entry
 
 
 def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
@@ -190,7 +206,7 @@ def apply(mutation: tuple, doc: dict[str, Any], directory: str, outside: str) ->
         n, header = _read_header(os.path.join(directory, file))
         _set(header, path, value)
         _write_header(os.path.join(directory, file), n, _dump(header))
-        return
+        _match_files_table(doc, directory, file)
     elif kind == "bomb":
         file, what = args
         full = os.path.join(directory, file)
@@ -200,7 +216,7 @@ def apply(mutation: tuple, doc: dict[str, Any], directory: str, outside: str) ->
                 f.write(struct.pack("<Q", what))
         else:
             _write_header(full, n, {"deep": _dump(DEEP), "list": b"[]", "null": b"null"}[what])
-        return
+        _match_files_table(doc, directory, file)
     with open(meta_path, "wb") as f:
         f.write(reseal(_dump(doc)))
 
