@@ -79,8 +79,6 @@ def verify(dir: str | os.PathLike[str], *, collect_all: bool = False) -> VerifyR
                         f"header checksum mismatch: metadata says {info.header}, the header hashes to {file_digest(prefix)}"
                     )
                 data_start, header = parse_header(bytes(prefix))
-                if info is not None:
-                    _check_size(storage, file, info.size)
             except (ValueError, CorruptCheckpointError) as e:
                 fail(f"{where}: not a valid safetensors file: {e}")
                 continue
@@ -110,6 +108,11 @@ def verify(dir: str | os.PathLike[str], *, collect_all: bool = False) -> VerifyR
                     fail(f"{where}: key {key!r}: {e}")
                     continue
                 report.bytes += end - spec.byte_range[0]
+            if info is not None:  # after the chunks: a cut into a chunk is reported with its key
+                try:
+                    _check_size(storage, file, info.size)
+                except (ValueError, CorruptCheckpointError) as e:
+                    fail(f"{where}: not a valid safetensors file: {e}")
     finally:
         storage.close()
     return report

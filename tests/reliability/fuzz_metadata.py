@@ -35,7 +35,6 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from ..sealing import reseal as _reseal
-
 from .paths import run_path
 from .report import Report
 from .sandbox import Result, Sandbox

@@ -113,6 +113,9 @@ def _serve(conn, memory_bytes: int) -> None:
                     continue
                 raw = os.fsdecode(args[i])
                 real = os.path.realpath(raw)
+                flags = args[2] if event == "open" and len(args) > 2 else None
+                if isinstance(flags, int) and flags & os.O_NOFOLLOW:  # a final symlink is refused, not followed
+                    real = os.path.join(os.path.realpath(os.path.dirname(raw) or "."), os.path.basename(raw))
                 if not allowed(event, real):
                     seen = f"{event} {raw}" + (f" -> {real}" if real != os.path.abspath(raw) else "")
                     state["outside"].append(seen)
