@@ -27,6 +27,7 @@ _TABLE: dict[str, tuple[int, str]] = {
     "object_retry_timeout_s": (180, "object stores: no retry starts later than this after the first try (seconds)"),
     "writeback_bytes": (16 * _MiB, "local files: start writing back every this many bytes written (sync_file_range), so the final fsync has little left; 0: off"),
     "read_block_bytes": (32 * _MiB, "in-place reads larger than this are split into blocks read concurrently while the checksum runs (bytes)"),
+    "collective_timeout_s": (600, "collective calls (save, load, unshard): how long the ranks that called wait for the others to call too before raising MissingRanksError (seconds)"),
 }
 
 
@@ -45,6 +46,7 @@ class Knobs:
     object_retry_timeout_s: int = _TABLE["object_retry_timeout_s"][0]
     writeback_bytes: int = _TABLE["writeback_bytes"][0]
     read_block_bytes: int = _TABLE["read_block_bytes"][0]
+    collective_timeout_s: int = _TABLE["collective_timeout_s"][0]
 
     @classmethod
     def from_env(cls) -> Knobs:
