@@ -17,8 +17,8 @@ from typing import Any
 
 from .._gc import paused_gc
 from ..adapters import LocalTensor, describe_state
-from ..dist import Comm, raise_failures
-from ..errors import CheckpointError, CheckpointExistsError, StorageError
+from ..dist import Comm
+from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import crc32c
 from ..format.metadata import METADATA_FILENAME, StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from ..knobs import Knobs
@@ -42,13 +42,14 @@ def save_state(
         tensors, objects = describe_state(state_dict)
         local.update((t.key, t) for t in tensors)
         descs = [TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors]
-        return descs, encode_objects(objects, allow_pickle=allow_pickle)
+        return descs, encode_objects(objects, allow_pickle=allow_pickle), storage.url
 
     gathered = comm.gather(describe)
     state: dict[str, Any] = {}
 
     def plan() -> list[tuple[RankWritePlan, str]]:
-        raise_failures(gathered, rank=comm.rank)  # type: ignore[arg-type]
+        comm.raise_failures(gathered)
+        _check_same_location(gathered, comm)  # type: ignore[arg-type]
         if not save_overwrite and METADATA_FILENAME in storage.list():
             raise CheckpointExistsError(
                 f"{storage.url}: a checkpoint is already committed there; pass save_overwrite=True to replace it"
@@ -62,11 +63,16 @@ def save_state(
         return [(r, save_id) for r in state["plan"].ranks]
 
     mine, save_id = comm.scatter(plan)
-    written = comm.gather(lambda: _write_file(storage, mine, local, knobs))
+    try:
+        written = comm.gather(lambda: _write_file(storage, mine, local, knobs))
+    except CollectiveError:  # a rank died or lost its connection: nothing will commit
+        if comm.is_coordinator:
+            _remove_save_files(storage, save_id, comm.world_size)
+        raise
 
     def commit() -> bytes:
         try:
-            raise_failures(written, rank=comm.rank)  # type: ignore[arg-type]
+            comm.raise_failures(written)
             with paused_gc():
                 meta = _build_metadata(state["plan"], written, state["objects"])  # type: ignore[union-attr]
             raw = meta.to_json()
@@ -90,17 +96,54 @@ def save_state(
         state["meta"] = meta
         return raw
 
-    raw = comm.broadcast(commit)
+    try:
+        raw = comm.broadcast(commit)
+    except CollectiveError as e:
+        if "meta" in state:  # the coordinator committed: the save succeeded, whoever did not hear of it
+            log.warning("%s: checkpoint committed, but telling the other ranks failed: %s", storage.url, e)
+            raw = b""
+        elif comm.is_coordinator:
+            raise
+        else:
+            raise CollectiveError(
+                f"{comm.call}: the coordinator (rank {comm.global_ranks[0]}) did not report the outcome of the commit "
+                f"({str(e.__cause__ or e).strip()}). "
+                f"Whether this save committed is unknown to rank {comm.global_rank}: it did if and only if "
+                f"{storage.url.rstrip('/')}/{METADATA_FILENAME} exists and names data files ending in -{save_id}.safetensors "
+                "(it is written last, atomically); otherwise nothing of this save was committed"
+            ) from e
     meta = state.get("meta") or StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}")
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
     return meta, files
+
+
+def _check_same_location(gathered: list, comm: Comm) -> None:
+    """Every rank saves to the same location (files named in the commit live there)."""
+    ranks_by_url: dict[str, list[int]] = {}
+    for rank, (_, _, url) in enumerate(gathered):
+        ranks_by_url.setdefault(url, []).append(comm.global_ranks[rank])
+    if len(ranks_by_url) > 1:
+        where = "; ".join(f"rank(s) {ranks}: {url}" for url, ranks in ranks_by_url.items())
+        raise RankMismatchError(
+            f"{comm.call}: the ranks passed different locations to one save ({where}); every rank must pass the same "
+            "directory (each rank's data file is named in the one metadata.json that commits the checkpoint)"
+        )
+
+
+def _remove_save_files(storage: Storage, save_id: str, world_size: int) -> None:
+    """Remove the data files of save ``save_id`` (best effort: those a rank never wrote are missing)."""
+    for r in range(world_size):
+        try:
+            storage.delete(data_file_name(r, save_id))
+        except StorageError as e:
+            log.warning("%s: removing a data file of a failed save failed: %s", storage.url, e)
 
 
 def _check_tensor_or_value(gathered: list) -> None:
     """A key is a tensor on every rank that has it, or a value on every rank: never both."""
     tensor_rank: dict[str, int] = {}
     value_rank: dict[str, int] = {}
-    for rank, (descs, (as_json, pickled)) in enumerate(gathered):
+    for rank, (descs, (as_json, pickled), _url) in enumerate(gathered):
         for d in descs:
             tensor_rank.setdefault(d.key, rank)
         for key in [*as_json, *pickled]:
