@@ -382,7 +382,7 @@ class Comm:
             if store.add(f"{base}/count", 1) == self.world_size:
                 store.compare_set(f"{base}/done", "", "ok")
             try:
-                store.wait([f"{base}/done"], timedelta(seconds=timeout_s))
+                store.wait([f"{base}/done"], timedelta(seconds=max(timeout_s, 0.001)))  # 0 would mean the store's own
             except RuntimeError:  # timed out: tell later ranks, unless the last one came just now
                 pass
             verdict = store.compare_set(f"{base}/done", "", "timeout")
