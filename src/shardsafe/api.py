@@ -8,7 +8,7 @@ tensor parallel or a plain module, at any world size. No state_dict_type to set,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from .dist import get_comm
 from .errors import CheckpointError, MissingKeyError
 from .knobs import Knobs
 from .storage import Location, open_storage
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["load_model_and_optim_state", "save_model_and_optim_state", "unshard_model_state", "unshard_optim_state"]
 
@@ -44,21 +47,26 @@ def save_model_and_optim_state(
     save_overwrite: bool = False,
     *,
     knobs: Knobs | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> list[str]:
     """Save the model's parameters and persistent buffers and the optimizer's state.
 
     Every rank calls this together, outside forward/backward. Works for plain modules, DDP,
     FSDP2 (``fully_shard``, HSDP), tensor parallel, FSDP2 + TP and FSDP1 with
     ``use_orig_params=True``; the result loads into any of them at any world size with
-    :func:`load_model_and_optim_state`. Returns the files this rank wrote.
+    :func:`load_model_and_optim_state`. Returns the files this rank wrote. ``process_group``:
+    the ranks that take part (default: all).
     """
     _check_model_args("save_model_and_optim_state", model, optim, knobs)
     check_bool("save_model_and_optim_state", "save_overwrite", save_overwrite)
+    ckpt = Checkpointer(knobs=knobs)
+    storage = open_storage(dir)
     params, buffers = model_state(model)
     state = _model_values(params, buffers)
     if optim is not None:
         state.update(optim_state(optim, params))
-    _, files = Checkpointer(knobs=knobs).save(dir, state, save_overwrite=save_overwrite)
+    comm = get_comm(process_group=process_group, call="shardsafe.save_model_and_optim_state", timeout_s=ckpt.knobs.collective_timeout_s)
+    _, files = ckpt._save(storage, state, save_overwrite, comm)
     return files
 
 
@@ -69,6 +77,7 @@ def load_model_and_optim_state(
     validate: bool = True,
     *,
     knobs: Knobs | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> None:
     """Load a checkpoint of :func:`save_model_and_optim_state` into ``model`` (and ``optim``) in place.
 
@@ -84,8 +93,8 @@ def load_model_and_optim_state(
     _check_model_args("load_model_and_optim_state", model, optim, knobs)
     check_bool("load_model_and_optim_state", "validate", validate)
     ckpt = Checkpointer(knobs=knobs)
-    comm = get_comm()
     storage = open_storage(dir)
+    comm = get_comm(process_group=process_group, call="shardsafe.load_model_and_optim_state", timeout_s=ckpt.knobs.collective_timeout_s)
     meta = _read_metadata(storage, comm)
     params, buffers = model_state(model)
     holder: dict[str, Any] = {}
@@ -100,7 +109,7 @@ def load_model_and_optim_state(
 
     comm.check(targets)
     state = holder["state"]
-    ckpt.load(storage, state, metadata=meta)  # the storage already opened: one client, not two
+    ckpt._load(storage, state, comm, meta)  # the storage already opened: one client, not two
     if optim is not None:
         comm.check(lambda: holder["apply"](state))
 
@@ -135,35 +144,58 @@ def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, st
 
 
 def unshard_model_state(
-    dir: Location, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
+    dir: Location,
+    device: torch.device | str | None = None,
+    rank0_only: bool = False,
+    no_dist: bool = False,
+    *,
+    knobs: Knobs | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
     """The full model state dict (parameter name -> whole tensor) of a model/optimizer checkpoint.
 
-    Needs no process group. With ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
-    collective at all. Only model tensors are read; a checkpoint without any raises ``MissingKeyError``.
+    Needs no process group. In a distributed context every rank of ``process_group`` (default:
+    all) calls it together; with ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
+    collective at all (any rank may call it alone). Only model tensors are read; a checkpoint
+    without any raises ``MissingKeyError``.
     """
     _check_unshard_args("unshard_model_state", device, rank0_only, no_dist)
+    check_arg("unshard_model_state", "knobs", knobs, Knobs, optional=True)
+    ckpt = Checkpointer(knobs=knobs)
+    storage = open_storage(dir)
+    comm = get_comm(no_dist, process_group, call="shardsafe.unshard_model_state", timeout_s=ckpt.knobs.collective_timeout_s)
     try:
-        return Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix=MODEL_PREFIX)
+        return ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix=MODEL_PREFIX)
     except MissingKeyError as e:
         raise MissingKeyError(f"{dir}: no model state in the checkpoint (was it saved by save_model_and_optim_state?): {e}") from None
 
 
 def unshard_optim_state(
-    dir: Location, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
+    dir: Location,
+    device: torch.device | str | None = None,
+    rank0_only: bool = False,
+    no_dist: bool = False,
+    *,
+    knobs: Knobs | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """The full optimizer state, keyed by parameter name: ``{"state": {name: {state name: value}},
     "param_groups": [{..hyper-parameters.., "params": [name, ...]}]}``.
 
-    Needs no process group. With ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
-    collective at all. Only optimizer state is read.
+    Needs no process group. In a distributed context every rank of ``process_group`` (default:
+    all) calls it together; with ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
+    collective at all (any rank may call it alone). Only optimizer state is read.
     """
     _check_unshard_args("unshard_optim_state", device, rank0_only, no_dist)
+    check_arg("unshard_optim_state", "knobs", knobs, Knobs, optional=True)
+    ckpt = Checkpointer(knobs=knobs)
+    storage = open_storage(dir)
+    comm = get_comm(no_dist, process_group, call="shardsafe.unshard_optim_state", timeout_s=ckpt.knobs.collective_timeout_s)
     try:
-        flat = Checkpointer().unshard(dir, device=device, rank0_only=rank0_only, no_dist=no_dist, prefix="optim.")
+        flat = ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix="optim.")
     except MissingKeyError as e:
         raise MissingKeyError(f"{dir}: no optimizer state in the checkpoint (no {GROUPS_KEY!r}): {e}") from None
-    if not flat and rank0_only and get_comm(no_dist).rank != 0:
+    if not flat and rank0_only and comm.rank != 0:
         return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
     name = GROUPS_KEY[len("optim.") :]
     if name not in flat:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from .errors import DtypeMismatchError, IncompleteCheckpointError, MissingKeyErr
 from .format.metadata import METADATA_FILENAME, StorageMetadata, keys_under
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["Checkpointer"]
 
@@ -43,37 +46,60 @@ class Checkpointer:
         self.allow_pickle = allow_pickle
         self.knobs = knobs or KNOBS
 
-    def save(self, dir: Location, state_dict: dict[str, Any], save_overwrite: bool = False) -> tuple[StorageMetadata, list[str]]:
+    def save(
+        self,
+        dir: Location,
+        state_dict: dict[str, Any],
+        save_overwrite: bool = False,
+        *,
+        process_group: ProcessGroup | None = None,
+    ) -> tuple[StorageMetadata, list[str]]:
         """Save ``state_dict``; returns the storage metadata and the files this rank created.
 
         Each rank writes only its own pieces; replicated pieces are written once, by one of the
         ranks holding them. Raises ``CheckpointExistsError`` if a checkpoint is already
         committed at ``dir`` and ``save_overwrite`` is False. With ``save_overwrite=True`` the
         old checkpoint stays loadable until the new one commits, then its files are removed.
+        Every rank of ``process_group`` (default: all ranks) calls this together, with the same
+        ``dir``; ``MissingRanksError`` is raised if some do not call within
+        ``knobs.collective_timeout_s``.
         """
         check_arg("Checkpointer.save", "state_dict", state_dict, dict)
         check_bool("Checkpointer.save", "save_overwrite", save_overwrite)
-        return save_state(
-            open_storage(dir), state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle,
-            comm=get_comm(), knobs=self.knobs,
-        )
+        storage = open_storage(dir)
+        return self._save(storage, state_dict, save_overwrite, self._comm("save", False, process_group))
 
-    def load(self, dir: Location, state_dict: dict[str, Any], no_dist: bool = False, metadata: StorageMetadata | None = None) -> None:
+    def _save(self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm) -> tuple[StorageMetadata, list[str]]:
+        return save_state(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle, comm=comm, knobs=self.knobs)
+
+    def load(
+        self,
+        dir: Location,
+        state_dict: dict[str, Any],
+        no_dist: bool = False,
+        metadata: StorageMetadata | None = None,
+        *,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
         """Fill the tensors of ``state_dict`` in place and replace its non-tensor values.
 
         Any save layout loads into any target layout. Each rank reads only the bytes its pieces
         need. Raises ``MissingKeyError``, ``ShapeMismatchError`` or ``DtypeMismatchError`` when a
         target does not match the checkpoint, ``CorruptCheckpointError`` when stored bytes fail
         their checksum, ``IncompleteCheckpointError`` when ``dir`` holds no committed checkpoint.
-        Every element of every target tensor is overwritten, or an error is raised.
+        Every element of every target tensor is overwritten, or an error is raised. Unless
+        ``no_dist``, every rank of ``process_group`` (default: all ranks) calls this together;
+        if any rank fails, every rank raises.
         """
         check_arg("Checkpointer.load", "state_dict", state_dict, dict)
         check_bool("Checkpointer.load", "no_dist", no_dist)
         check_arg("Checkpointer.load", "metadata", metadata, StorageMetadata, optional=True)
-        comm = get_comm(no_dist)
         storage = open_storage(dir)
+        comm = self._comm("load", no_dist, process_group)
         meta = metadata if metadata is not None else _read_metadata(storage, comm)
+        self._load(storage, state_dict, comm, meta)
 
+    def _load(self, storage: Storage, state_dict: dict[str, Any], comm: Comm, meta: StorageMetadata) -> None:
         def run() -> dict[str, Any]:
             tensors, objects = describe_state(state_dict, targets=True)
             _check_targets(meta, tensors, list(objects), storage.url)
@@ -82,7 +108,7 @@ class Checkpointer:
                 reader.load_tensors((meta.tensors[t.key], t) for t in tensors)
             return values
 
-        state_dict.update(comm.check(run))
+        state_dict.update(comm.check(run))  # only success or failure travels; the values stay here
 
     def unshard(
         self,
@@ -93,21 +119,36 @@ class Checkpointer:
         num_threads: int | None = None,
         *,
         prefix: str | None = None,
+        process_group: ProcessGroup | None = None,
     ) -> dict[str, Any]:
         """The full (unsharded) state dict: every tensor whole, and the non-tensor values.
 
-        Works in a plain process with no process group. With ``rank0_only`` only rank 0 reads
-        and the other ranks get ``{}``; with ``no_dist`` no collective is used at all. With
-        ``prefix``, only the keys that start with it are read, and returned without it; a prefix
-        that no key starts with raises ``MissingKeyError``.
+        Works in a plain process with no process group. In a distributed context every rank of
+        ``process_group`` (default: all ranks) calls it together (the metadata is read once and
+        broadcast); with ``rank0_only`` only the group's first rank reads and the other ranks
+        get ``{}``; with ``no_dist`` no collective is used at all, so any rank may call it
+        alone. With ``prefix``, only the keys that start with it are read, and returned without
+        it; a prefix that no key starts with raises ``MissingKeyError``.
         """
         check_arg("Checkpointer.unshard", "device", device, (torch.device, str), optional=True)
         check_bool("Checkpointer.unshard", "rank0_only", rank0_only)
         check_bool("Checkpointer.unshard", "no_dist", no_dist)
         check_arg("Checkpointer.unshard", "num_threads", num_threads, int, optional=True)
         check_arg("Checkpointer.unshard", "prefix", prefix, str, optional=True)
-        comm = get_comm(no_dist)
         storage = open_storage(dir)
+        comm = self._comm("unshard", no_dist, process_group)
+        return self._unshard(storage, comm, device=device, rank0_only=rank0_only, num_threads=num_threads, prefix=prefix)
+
+    def _unshard(
+        self,
+        storage: Storage,
+        comm: Comm,
+        *,
+        device: torch.device | str | None,
+        rank0_only: bool,
+        num_threads: int | None = None,
+        prefix: str | None,
+    ) -> dict[str, Any]:
         meta = _read_metadata(storage, comm)
         if rank0_only and comm.rank != 0:
             return {}
@@ -133,10 +174,15 @@ class Checkpointer:
         out.update((name, values[key]) for name, key in wanted.items())
         return out
 
-    def get_metadata(self, dir: Location, no_dist: bool = False) -> StorageMetadata:
-        """The checkpoint's metadata (read once by rank 0 and broadcast, unless ``no_dist``)."""
+    def get_metadata(self, dir: Location, no_dist: bool = False, *, process_group: ProcessGroup | None = None) -> StorageMetadata:
+        """The checkpoint's metadata (read once by the group's first rank and broadcast, unless ``no_dist``)."""
         check_bool("Checkpointer.get_metadata", "no_dist", no_dist)
-        return _read_metadata(open_storage(dir), get_comm(no_dist))
+        storage = open_storage(dir)
+        return _read_metadata(storage, self._comm("get_metadata", no_dist, process_group))
+
+    def _comm(self, method: str, no_dist: bool, process_group: ProcessGroup | None) -> Comm:
+        """The ranks of this call, once every one of them has called (see :func:`shardsafe.dist.get_comm`)."""
+        return get_comm(no_dist, process_group, call=f"shardsafe.Checkpointer.{method}", timeout_s=self.knobs.collective_timeout_s)
 
 
 def _read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:

@@ -1,124 +1,508 @@
 """The only module that calls ``torch.distributed``.
 
-A :class:`Comm` is either the default process group or a single process (``no_dist=True``,
-world size 1, or no process group at all). Its collectives carry a value *or* an exception,
-so that when one rank fails every rank raises the same gathered error instead of the others
-waiting forever in the next collective.
+A :class:`Comm` is the ranks of one process group taking part in one public call (a save, a
+load, an unshard), or a single process (``no_dist=True``, a group of one, or no process group
+at all). Call order, on every rank of the group: :func:`get_comm` with the call's name (the
+arrival check), then the same sequence of collectives. The coordinator is the group's first
+rank.
+
+- **Arrival**: before any collective, every rank checks in through the process group's store.
+  A rank that has not arrived within ``knobs.collective_timeout_s`` makes every rank that did
+  raise :class:`~shardsafe.errors.MissingRanksError` naming the missing ranks, instead of
+  waiting in the first collective until the process group's timeout (30 minutes by default).
+- **Failures travel as records**: each collective carries a value *or* a :class:`Failed`
+  record of plain strings (rank, exception class, message, traceback), never the exception
+  object, so an exception or a value that cannot be pickled still reaches every rank and no
+  rank waits forever. The rank that failed re-raises its own exception; the others raise a
+  ``CheckpointError`` (of the failing class when it is one of shardsafe's) naming every failing
+  rank.
+- **Broken connections**: a collective that fails in the backend (a peer died) raises
+  :class:`~shardsafe.errors.CollectiveError` naming the call and the cause.
+- **Nothing outlives a call**: each collective returns only once the backend's worker threads
+  have let go of its tensors. Otherwise a worker could drop them while the interpreter exits,
+  and the process would abort (``terminate called without an active exception``).
 """
 
 from __future__ import annotations
 
+import logging
+import pickle
+import sys
+import time
+import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CollectiveError, MissingRanksError
+from .knobs import KNOBS
 
-__all__ = ["Comm", "Failed", "get_comm", "raise_failures"]
+__all__ = ["Comm", "Failed", "RankFailure", "collective_counts", "get_comm", "raise_failures"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+_COUNTS: Counter[str] = Counter()  # collectives run by this process, by kind (every Comm)
+_RELEASE_WAIT_S = 2.0  # longest wait for a backend to let go of a collective's tensors
+
+
+def collective_counts() -> dict[str, int]:
+    """How many collectives this process has run, by kind (``arrive``, ``gather``,
+    ``all_gather``, ``scatter``, ``broadcast``); a single-process ``Comm`` runs none."""
+    return dict(_COUNTS)
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """One rank's exception as plain, picklable data."""
+
+    rank: int  # global rank
+    type_name: str  # ``ValueError``
+    qualname: str  # ``builtins.ValueError``
+    message: str
+    traceback: str
+    # set only for shardsafe's own CheckpointError classes, so other ranks raise the same class
+    error_class: type[CheckpointError] | None = None
+
+    @classmethod
+    def of(cls, rank: int, e: BaseException) -> RankFailure:
+        t = type(e)
+        try:
+            message = str(e)
+        except Exception as inner:  # noqa: BLE001 - a broken __str__ must not stop the report
+            message = f"<str() of the exception failed: {type(inner).__name__}>"
+        ours = issubclass(t, CheckpointError) and t.__module__.split(".")[0] == "shardsafe"
+        text = "".join(traceback.format_exception(t, e, e.__traceback__))
+        return cls(rank, t.__name__, f"{t.__module__}.{t.__qualname__}", message, text, t if ours else None)
+
+    def describe(self) -> str:
+        return f"{self.type_name}: {self.message}"
 
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """A rank's exception, as sent through a collective."""
+    """What a collective carries instead of a value when ranks failed: one record per rank."""
 
-    error: BaseException
-
-
-def _capture(fn: Callable[[], T]) -> T | Failed:
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 - sent to every rank and re-raised there
-        return Failed(e)
+    failures: tuple[RankFailure, ...]
 
 
-def raise_failures(results: list[Any], *, rank: int) -> None:
-    """Raise one error if any rank's result is a :class:`Failed`.
+def raise_failures(results: list[Any] | None, *, rank: int, own: BaseException | None = None) -> None:
+    """Raise one error if any result is a :class:`Failed`.
 
-    The local rank's own exception is re-raised as is (with its traceback); other ranks raise an
-    error of the first failing rank's class (when it is a ``CheckpointError``) whose message names
-    every failing rank, and whose ``rank_errors`` maps rank to message.
+    ``rank`` is this process's global rank and ``own`` the exception it raised itself, if any:
+    when this rank is the only one that failed, ``own`` is re-raised as is (with its
+    traceback). Otherwise the error is of the first failing rank's class when that is one of
+    shardsafe's ``CheckpointError`` classes, else ``CheckpointError``; its message names every
+    failing rank and its ``rank_errors`` maps rank to message.
     """
-    failures = {r: f.error for r, f in enumerate(results) if isinstance(f, Failed)}
-    if not failures:
-        return
-    mine = failures.get(rank)
-    if mine is not None and len(failures) == 1:
-        raise mine
-    by_rank = {r: f"{type(e).__name__}: {e}" for r, e in failures.items()}
-    first = failures[min(failures)]
-    cls = type(first) if isinstance(first, CheckpointError) else CheckpointError
-    detail = "; ".join(f"rank {r}: {m}" for r, m in by_rank.items())
-    err = cls(f"{len(failures)} rank(s) failed: {detail}", rank_errors=by_rank)
-    raise err from mine
+    failures = [f for r in results or () if isinstance(r, Failed) for f in r.failures]
+    if failures:
+        raise _error(failures, rank=rank, own=own)
+
+
+def _error(failures: list[RankFailure], *, rank: int, own: BaseException | None) -> BaseException:
+    by_rank = {f.rank: f for f in sorted(failures, key=lambda f: f.rank)}
+    if own is not None and list(by_rank) == [rank]:
+        return own
+    first = next(iter(by_rank.values()))
+    cls = first.error_class or CheckpointError
+    messages = {r: f.describe() for r, f in by_rank.items()}
+    detail = "; ".join(f"rank {r}: {m}" for r, m in messages.items())
+    err = cls(f"{len(by_rank)} rank(s) failed: {detail}", rank_errors=messages)
+    err.__cause__ = own
+    err._shardsafe_failed = Failed(tuple(by_rank.values()))  # type: ignore[attr-defined]  # forwarded as is
+    if hasattr(err, "add_note"):  # Python >= 3.11: the other ranks' tracebacks, for debugging
+        for r, f in by_rank.items():
+            if r != rank:
+                err.add_note(f"--- rank {r} ---\n{f.traceback[-4000:]}")
+    return err
 
 
 class Comm:
-    """Collectives over the default process group, or trivial ones for a single process."""
+    """The collectives of one public call among the ranks of a process group.
 
-    def __init__(self, distributed: bool) -> None:
-        self.distributed = distributed
-        self.rank = dist.get_rank() if distributed else 0
-        self.world_size = dist.get_world_size() if distributed else 1
+    ``rank`` and ``world_size`` are this process's rank in the group and the group's size;
+    every rank list in messages names global ranks. A ``Comm`` of one process runs every
+    function locally and sends nothing.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, call: str = "shardsafe") -> None:
+        self.call = call
+        self.group = group
+        if group is None:
+            self.rank, self.world_size, self.global_ranks = 0, 1, [0]
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            self.global_ranks = dist.get_process_group_ranks(group)
+        self.distributed = self.world_size > 1
+        self.counts: Counter[str] = Counter()
+        self._own_error: BaseException | None = None  # the first exception this rank raised in a collective
+        self._transport: dist.ProcessGroup | None = None
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
+    @property
+    def global_rank(self) -> int:
+        return self.global_ranks[self.rank]
+
+    # --- public collectives: each runs ``fn`` and carries its value or its failure --------------
+
     def gather(self, fn: Callable[[], T]) -> list[T | Failed] | None:
-        """Run ``fn`` on every rank; the coordinator gets every result (others: None)."""
-        value = _capture(fn)
+        """Run ``fn`` on every rank; the coordinator gets every result in rank order (others: None)."""
+        value = self._capture(fn)
+        self._count("gather")
         if not self.distributed:
             return [value]
-        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(value, out, dst=0)
+        data, value = self._encode(value)
+        out = self._gather(data)
+        if out is not None:
+            out[self.rank] = value  # its own value as it is, not a copy
         return out
 
     def all_gather(self, fn: Callable[[], T]) -> list[T | Failed]:
-        value = _capture(fn)
+        """Run ``fn`` on every rank; every rank gets every result in rank order."""
+        value = self._capture(fn)
+        self._count("all_gather")
         if not self.distributed:
             return [value]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value)
+        data, value = self._encode(value)
+        out = self._all_gather(data)
+        out[self.rank] = value
         return out
 
     def scatter(self, fn: Callable[[], list[T]]) -> T:
-        """The coordinator computes one value per rank; each rank gets its own, or the error."""
-        values: list[Any] | Failed | None = None
-        if self.is_coordinator:
-            values = _capture(fn)
-            if isinstance(values, Failed):
-                values = [values] * self.world_size
+        """The coordinator computes one value per rank; each rank gets its own, or raises the error."""
+        values: Any = self._capture(fn) if self.is_coordinator else None
+        self._count("scatter")
         if not self.distributed:
-            got = values[0]  # type: ignore[index]
+            got = values if isinstance(values, Failed) else values[0]
+        elif self.is_coordinator:
+            encoded = [self._encode(v) for v in values] if not isinstance(values, Failed) else []
+            failed = values if isinstance(values, Failed) else next((v for _, v in encoded if isinstance(v, Failed)), None)
+            if failed is not None:  # every rank fails, or none
+                encoded = [self._encode(failed)] * self.world_size
+            self._scatter([data for data, _ in encoded])
+            got = encoded[0][1]
         else:
-            out: list[Any] = [None]
-            dist.scatter_object_list(out, values, src=0)
-            got = out[0]
+            got = self._scatter(None)
         if isinstance(got, Failed):
-            raise got.error
+            raise self._failure(got)
         return got
 
     def broadcast(self, fn: Callable[[], T]) -> T:
-        """The coordinator computes a value; every rank gets it, or raises its error."""
-        value: Any = _capture(fn) if self.is_coordinator else None
+        """The coordinator computes a value; every rank gets it, or raises its error.
+
+        When the coordinator's ``fn`` failed and the broadcast fails too, the coordinator
+        raises ``fn``'s error (the broadcast's as its context).
+        """
+        value: Any = self._capture(fn) if self.is_coordinator else None
+        self._count("broadcast")
         if self.distributed:
-            box = [value]
-            dist.broadcast_object_list(box, src=0)
-            value = box[0]
+            data = None
+            if self.is_coordinator:
+                data, value = self._encode(value)
+            try:
+                got = self._broadcast(data)
+                if not self.is_coordinator:
+                    value = got
+            except CollectiveError as e:
+                if isinstance(value, Failed):
+                    raise self._failure(value) from e
+                raise
         if isinstance(value, Failed):
-            raise value.error
+            raise self._failure(value)
         return value
 
     def check(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on every rank; if any rank fails, every rank raises."""
-        results = self.all_gather(fn)
-        raise_failures(results, rank=self.rank)
-        return results[self.rank]  # type: ignore[return-value]
+        """Run ``fn`` on every rank; if any rank fails, every rank raises.
+
+        Only success or failure travels (``None`` or a :class:`Failed` record); each rank
+        returns its own ``fn``'s value.
+        """
+        value = self._capture(fn)
+        self._count("all_gather")
+        sent = value if isinstance(value, Failed) else None
+        results = [sent]
+        if self.distributed:
+            results = self._all_gather(self._encode(sent)[0])
+            results[self.rank] = sent
+        self.raise_failures(results)
+        return value  # type: ignore[return-value]
+
+    def raise_failures(self, results: list[Any] | None) -> None:
+        """:func:`raise_failures` for this rank: its own exception is re-raised when it alone failed."""
+        raise_failures(results, rank=self.global_rank, own=self._own_error)
+
+    # --- failures as records ----------------------------------------------------------------------
+
+    def _capture(self, fn: Callable[[], T]) -> T | Failed:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - sent to every rank and raised there
+            forwarded = getattr(e, "_shardsafe_failed", None)
+            if isinstance(forwarded, Failed):  # already gathered from several ranks: pass it on
+                return forwarded
+            if self._own_error is None:
+                self._own_error = e
+            return Failed((RankFailure.of(self.global_rank, e),))
+
+    def _failure(self, failed: Failed) -> BaseException:
+        return _error(list(failed.failures), rank=self.global_rank, own=self._own_error)
+
+    def _encode(self, value: Any) -> tuple[bytes, Any]:
+        """``value`` pickled, and ``value``; one that cannot be pickled becomes this rank's failure
+        record (returned in its place)."""
+        try:
+            return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), value
+        except Exception as e:  # noqa: BLE001 - any __reduce__ may raise anything
+            err = CheckpointError(
+                f"{self.call}: rank {self.global_rank} computed a value of type {type(value).__qualname__} that "
+                f"cannot be sent to the other ranks (pickling failed: {type(e).__name__}: {e})"
+            )
+            err.__cause__ = e
+            if self._own_error is None:
+                self._own_error = err
+            failed = Failed((RankFailure.of(self.global_rank, err),))
+            return pickle.dumps(failed, protocol=pickle.HIGHEST_PROTOCOL), failed
+
+    def _loads(self, raw: memoryview, sender: int) -> Any:
+        """A value received from group rank ``sender``; one that cannot be unpickled is its failure."""
+        try:
+            return pickle.loads(raw)
+        except Exception as e:  # noqa: BLE001 - e.g. a class that exists on the sender only
+            g = self.global_ranks[sender]
+            err = CheckpointError(
+                f"{self.call}: the value rank {g} sent cannot be unpickled on rank {self.global_rank}: {type(e).__name__}: {e}"
+            )
+            return Failed((RankFailure.of(g, err),))
+
+    def _count(self, kind: str) -> None:
+        if self.distributed:
+            self.counts[kind] += 1
+            _COUNTS[kind] += 1
+
+    # --- bytes over the backend ---------------------------------------------------------------------
+
+    def _cpu_group(self) -> dist.ProcessGroup:
+        if self._transport is None:
+            self._transport = _cpu_group(self.group)  # type: ignore[arg-type]
+        return self._transport
+
+    def _run(self, kind: str, start: Callable[[], Any], tensors: list[torch.Tensor]) -> None:
+        """Run one backend operation to completion, then wait until the backend has let go of
+        ``tensors`` (see the module docstring)."""
+        before = _refcounts(tensors)
+        try:
+            work = start()
+            work.wait()
+        except RuntimeError as e:  # DistBackendError, DistNetworkError, gloo's own errors
+            raise CollectiveError(
+                f"{self.call}: a {kind} among ranks {self.global_ranks} failed on rank {self.global_rank}: "
+                f"{_first_line(e)} (did a rank of the process group die or lose its connection?)"
+            ) from e
+        del work
+        _await_release(tensors, before)
+
+    def _sizes(self, n: int) -> list[int]:
+        mine = torch.tensor([n], dtype=torch.int64)
+        out = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        group = self._cpu_group()
+        self._run("all_gather", lambda: dist.all_gather(out, mine, group=group, async_op=True), [mine, *out])
+        return [int(t.item()) for t in out]
+
+    # each returns the values the other ranks sent (None in this rank's place: the caller has it)
+
+    def _gather(self, data: bytes) -> list[Any] | None:
+        sizes = self._sizes(len(data))
+        width = max(sizes)
+        mine = _to_tensor(data, width)
+        out = [torch.empty(width, dtype=torch.uint8) for _ in sizes] if self.is_coordinator else None
+        group, dst = self._cpu_group(), self.global_ranks[0]
+        self._run("gather", lambda: dist.gather(mine, out, dst=dst, group=group, async_op=True), [mine, *(out or [])])
+        if out is None:
+            return None
+        return [self._loads(_view(t, n), r) if r != self.rank else None for r, (t, n) in enumerate(zip(out, sizes))]
+
+    def _all_gather(self, data: bytes) -> list[Any]:
+        sizes = self._sizes(len(data))
+        width = max(sizes)
+        mine = _to_tensor(data, width)
+        out = [torch.empty(width, dtype=torch.uint8) for _ in sizes]
+        group = self._cpu_group()
+        self._run("all_gather", lambda: dist.all_gather(out, mine, group=group, async_op=True), [mine, *out])
+        return [self._loads(_view(t, n), r) if r != self.rank else None for r, (t, n) in enumerate(zip(out, sizes))]
+
+    def _scatter(self, data: list[bytes] | None) -> Any:
+        group, src = self._cpu_group(), self.global_ranks[0]
+        size = torch.empty(2, dtype=torch.int64)  # (this rank's size, the largest)
+        sizes_in = None
+        if data is not None:
+            width = max(len(d) for d in data)
+            sizes_in = [torch.tensor([len(d), width], dtype=torch.int64) for d in data]
+        self._run("scatter", lambda: dist.scatter(size, sizes_in, src=src, group=group, async_op=True), [size, *(sizes_in or [])])
+        n, width = (int(x) for x in size.tolist())
+        out = torch.empty(width, dtype=torch.uint8)
+        parts = [_to_tensor(d, width) for d in data] if data is not None else None
+        self._run("scatter", lambda: dist.scatter(out, parts, src=src, group=group, async_op=True), [out, *(parts or [])])
+        return self._loads(_view(out, n), 0) if not self.is_coordinator else None
+
+    def _broadcast(self, data: bytes | None) -> Any:
+        group, src = self._cpu_group(), self.global_ranks[0]
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self._run("broadcast", lambda: dist.broadcast(size, src=src, group=group, async_op=True), [size])
+        n = int(size.item())
+        buf = _to_tensor(data, n) if data is not None else torch.empty(n, dtype=torch.uint8)
+        self._run("broadcast", lambda: dist.broadcast(buf, src=src, group=group, async_op=True), [buf])
+        return self._loads(_view(buf, n), 0) if not self.is_coordinator else None
+
+    # --- arrival ------------------------------------------------------------------------------------
+
+    def arrive(self, timeout_s: float) -> None:
+        """Check in; return once every rank of the group has, or raise ``MissingRanksError``
+        on every rank that did after ``timeout_s`` (and at once on a rank that comes later)."""
+        self._count("arrive")
+        if not self.distributed:
+            return
+        group_name = self.group.group_name  # type: ignore[union-attr]
+        seq = _ARRIVALS.get(group_name, 0)
+        _ARRIVALS[group_name] = seq + 1
+        base = f"shardsafe/arrive/{group_name}/{seq}"
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.append(f"{base}/who", f"{self.rank}={self.call};")
+            if store.add(f"{base}/count", 1) == self.world_size:
+                store.compare_set(f"{base}/done", "", "ok")
+            try:
+                store.wait([f"{base}/done"], timedelta(seconds=max(timeout_s, 0.001)))  # 0 would mean the store's own
+            except RuntimeError:  # timed out: tell later ranks, unless the last one came just now
+                pass
+            verdict = store.compare_set(f"{base}/done", "", "timeout")
+            if verdict == b"ok":
+                if self.is_coordinator and seq > 0:  # every rank is past the previous check
+                    for key in ("who", "count", "done"):
+                        store.delete_key(f"shardsafe/arrive/{group_name}/{seq - 1}/{key}")
+                return
+            who = store.get(f"{base}/who").decode()
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"{self.call}: rank {self.global_rank} could not check in with the other ranks through the "
+                f"process group's store: {_first_line(e)}"
+            ) from e
+        raise self._missing(who, timeout_s)
+
+    def _missing(self, who: str, timeout_s: float) -> MissingRanksError:
+        calls = dict(entry.split("=", 1) for entry in who.split(";") if entry)
+        arrived = {int(r) for r, c in calls.items() if c == self.call}
+        others = {self.global_ranks[int(r)]: c for r, c in calls.items() if c != self.call}
+        missing = [self.global_ranks[r] for r in range(self.world_size) if r not in arrived]
+        hint = (
+            "every rank of the process group must call it, together (to use only some ranks, pass a "
+            "process_group of those ranks; to read on one rank alone, pass no_dist=True where the call takes it)"
+        )
+        if not missing:
+            what = f"rank {self.global_rank} called it after the other ranks had stopped waiting ({timeout_s:g} s)"
+        else:
+            what = f"rank(s) {missing} of the {self.world_size} rank(s) of the process group did not call it within {timeout_s:g} s"
+        also = "".join(f"; rank {r} called {c} instead" for r, c in sorted(others.items()))
+        return MissingRanksError(f"{self.call}: {what}{also}: {hint} (the wait is knobs.collective_timeout_s)")
 
 
-def get_comm(no_dist: bool = False) -> Comm:
-    return Comm(not no_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+_ARRIVALS: dict[str, int] = {}  # process group name -> arrival checks so far (the same on every rank)
+_SIDE_GROUPS: dict[Any, dist.ProcessGroup] = {}  # process group -> its gloo group, for groups without CPU support
+
+
+def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """``group`` if it runs collectives on CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl``
+    group), else a gloo group of the same ranks, created once: shardsafe's collectives move
+    small pickled payloads, which need no GPU and should not wait on CUDA streams."""
+    if "cpu:" in str(dist.get_backend_config(group)):
+        return group
+    side = _SIDE_GROUPS.get(group)
+    if side is None:  # every rank of ``group`` is here: it has just passed the arrival check
+        side = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        _SIDE_GROUPS[group] = side
+    return side
+
+
+def _to_tensor(data: bytes, width: int) -> torch.Tensor:
+    """``data`` copied into a new uint8 tensor of ``width`` bytes (the rest left as is)."""
+    t = torch.empty(width, dtype=torch.uint8)
+    if data:
+        t.numpy()[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return t
+
+
+def _view(t: torch.Tensor, n: int) -> memoryview:
+    return memoryview(t.numpy())[:n]
+
+
+def _refcounts(tensors: list[torch.Tensor]) -> list[int]:
+    return [sys.getrefcount(t) for t in tensors]
+
+
+_release_wait = True  # turned off if a backend keeps its tensors longer than _RELEASE_WAIT_S
+
+
+def _await_release(tensors: list[torch.Tensor], before: list[int]) -> None:
+    """Wait until the backend holds none of ``tensors``.
+
+    While C++ code holds a tensor that Python also holds, the tensor holds a reference to its
+    Python object (torch >= 2.10); the backend's worker thread releases it some microseconds
+    after the work completes, which takes the GIL. If the interpreter is exiting by then, the
+    worker thread is ended inside a ``noexcept`` destructor and the process aborts. Here the
+    Python reference count of each tensor tells when the backend has let go.
+    """
+    global _release_wait
+    if not _release_wait:
+        return
+    deadline = time.monotonic() + _RELEASE_WAIT_S
+    pause = 0.0
+    while any(now > was for now, was in zip(_refcounts(tensors), before)):
+        if time.monotonic() > deadline:
+            _release_wait = False
+            log.debug("the process group kept a collective's tensors for over %s s; not waiting for it again", _RELEASE_WAIT_S)
+            return
+        time.sleep(pause)
+        pause = min(pause * 2 or 1e-5, 1e-3)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def get_comm(
+    no_dist: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    call: str | None = None,
+    timeout_s: float | None = None,
+) -> Comm:
+    """The ``Comm`` of one public call.
+
+    Distributed when ``torch.distributed`` is initialized, ``no_dist`` is False and the group
+    (``process_group``, default: every rank) has more than one rank. With ``call`` (the public
+    function's name, for messages) every rank first checks in (:meth:`Comm.arrive`), waiting at
+    most ``timeout_s`` seconds (default ``KNOBS.collective_timeout_s``) for the others.
+    """
+    if no_dist or not (dist.is_available() and dist.is_initialized()):
+        return Comm(None, call=call or "shardsafe")
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_rank(group) < 0:
+        raise CheckpointError(
+            f"{call or 'shardsafe'}: rank {dist.get_rank()} is not in the process_group it was given "
+            f"(ranks {dist.get_process_group_ranks(group)}); only the group's ranks may call it"
+        )
+    comm = Comm(group, call=call or "shardsafe")
+    if call is not None:
+        comm.arrive(KNOBS.collective_timeout_s if timeout_s is None else timeout_s)
+    return comm

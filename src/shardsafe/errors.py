@@ -11,11 +11,14 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
+    "CollectiveError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
     "IncompleteCheckpointError",
     "MissingKeyError",
+    "MissingRanksError",
     "PickleNotAllowedError",
+    "RankMismatchError",
     "ShapeMismatchError",
     "ShardingError",
     "StorageError",
@@ -78,3 +81,18 @@ class PickleNotAllowedError(CheckpointError, TypeError):
 
 class StorageError(CheckpointError, OSError):
     """The storage backend failed: permission, missing bucket, I/O error, bad URL."""
+
+
+class CollectiveError(CheckpointError):
+    """Ranks could not complete a step of a save or load together: a rank of the process group
+    died or lost its connection, or the process group failed."""
+
+
+class MissingRanksError(CollectiveError, TimeoutError):
+    """Some ranks of the process group did not call a collective save, load or unshard within
+    ``knobs.collective_timeout_s`` (every rank of the group must call it, together)."""
+
+
+class RankMismatchError(CheckpointError, ValueError):
+    """Ranks passed arguments to one collective call that must be the same on every rank
+    (for example, different directories to one save)."""

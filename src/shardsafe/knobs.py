@@ -28,6 +28,7 @@ _TABLE: dict[str, tuple[int, str]] = {
     "writeback_bytes": (16 * _MiB, "local files: start writing back every this many bytes written (sync_file_range), so the final fsync has little left; 0: off"),
     "checksum_block_bytes": (1 * _MiB, "saves: each chunk gets one XXH3-64 digest per block of this many bytes (a multiple of 16), so a load that reads part of a chunk verifies only the blocks it touches"),
     "read_block_bytes": (32 * _MiB, "in-place reads larger than this are split into blocks read concurrently while the checksum runs (bytes)"),
+    "collective_timeout_s": (600, "collective calls (save, load, unshard): how long the ranks that called wait for the others to call too before raising MissingRanksError (seconds)"),
 }
 
 
@@ -46,6 +47,7 @@ class Knobs:
     object_retry_timeout_s: int = _TABLE["object_retry_timeout_s"][0]
     writeback_bytes: int = _TABLE["writeback_bytes"][0]
     read_block_bytes: int = _TABLE["read_block_bytes"][0]
+    collective_timeout_s: int = _TABLE["collective_timeout_s"][0]
     checksum_block_bytes: int = _TABLE["checksum_block_bytes"][0]
 
     def __post_init__(self) -> None:

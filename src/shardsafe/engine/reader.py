@@ -51,7 +51,7 @@ class Reader:
         self.gap = min(knobs.coalesce_gap_bytes, getattr(storage, "coalesce_gap_bytes", knobs.coalesce_gap_bytes))
         self.block = max(knobs.read_block_bytes, 1 << 16)
         self.scratch = Scratch(self.budget)
-        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardsafe-read") if self.threads > 1 else None
         self.bytes_read = 0  # bytes fetched from storage, over-reads of blocks and coalesced gaps included
         self._count_lock = threading.Lock()
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from .._gc import paused_gc
 from ..adapters import LocalTensor, describe_state
-from ..dist import Comm, raise_failures
-from ..errors import CheckpointError, CheckpointExistsError, StorageError
+from ..dist import Comm
+from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
 from ..format.metadata import (
     METADATA_FILENAME,
@@ -56,13 +56,14 @@ def save_state(
         tensors, objects = describe_state(state_dict)
         local.update((t.key, t) for t in tensors)
         descs = [TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors]
-        return descs, encode_objects(objects, allow_pickle=allow_pickle)
+        return descs, encode_objects(objects, allow_pickle=allow_pickle), storage.url
 
     gathered = comm.gather(describe)
     state: dict[str, Any] = {}
 
     def plan() -> list[tuple[RankWritePlan, str]]:
-        raise_failures(gathered, rank=comm.rank)  # type: ignore[arg-type]
+        comm.raise_failures(gathered)
+        _check_same_location(gathered, comm)  # type: ignore[arg-type]
         state["listed"] = storage.list()  # before this save writes anything: see _sweep
         state["seen"] = _committed_version(storage)
         if not save_overwrite and state["seen"] is not None:
@@ -78,11 +79,16 @@ def save_state(
         return [(r, save_id) for r in state["plan"].ranks]
 
     mine, save_id = comm.scatter(plan)
-    written = comm.gather(lambda: _write_file(storage, mine, local, knobs))
+    try:
+        written = comm.gather(lambda: _write_file(storage, mine, local, knobs))
+    except CollectiveError:  # a rank died or lost its connection: nothing will commit
+        if comm.is_coordinator:
+            _remove_save_files(storage, save_id, comm.world_size)
+        raise
 
     def commit() -> bytes:
         try:
-            raise_failures(written, rank=comm.rank)  # type: ignore[arg-type]
+            comm.raise_failures(written)
             with paused_gc():
                 meta = _build_metadata(state["plan"], written, state["objects"], knobs.checksum_block_bytes)  # type: ignore[union-attr]
             raw = meta.to_json()
@@ -90,14 +96,28 @@ def save_state(
         except _CommitUnknownError:
             raise  # the data files stay: a metadata.json naming them may have been committed
         except BaseException:
-            for r in range(comm.world_size):  # leave nothing of a failed save behind
-                storage.delete(data_file_name(r, save_id))
+            _remove_save_files(storage, save_id, comm.world_size)  # leave nothing of a failed save behind
             raise
+        state["meta"] = meta  # committed: from here on the save has succeeded, whatever else fails
         _sweep(storage, state["listed"], keep=meta.data_files())
-        state["meta"] = meta
         return raw
 
-    raw = comm.broadcast(commit)
+    try:
+        raw = comm.broadcast(commit)
+    except CollectiveError as e:
+        if "meta" in state:  # the coordinator committed: the save succeeded, whoever did not hear of it
+            log.warning("%s: checkpoint committed, but telling the other ranks failed: %s", storage.url, e)
+            raw = b""
+        elif comm.is_coordinator:
+            raise
+        else:
+            raise CollectiveError(
+                f"{comm.call}: the coordinator (rank {comm.global_ranks[0]}) did not report the outcome of the commit "
+                f"({str(e.__cause__ or e).strip()}). "
+                f"Whether this save committed is unknown to rank {comm.global_rank}: it did if and only if "
+                f"{storage.url.rstrip('/')}/{METADATA_FILENAME} exists and names data files ending in -{save_id}.safetensors "
+                "(it is written last, atomically); otherwise nothing of this save was committed"
+            ) from e
     meta = state.get("meta") or StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}")
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
     return meta, files
@@ -163,17 +183,39 @@ def _sweep(storage: Storage, listed: list[str], *, keep: set[str]) -> None:
     """
     try:
         for name in listed:
-            if (_OUR_FILES.match(name) or _OUR_TEMP_FILES.match(name)) and name not in keep:
+            if (_OUR_FILES.fullmatch(name) or _OUR_TEMP_FILES.fullmatch(name)) and name not in keep:
                 storage.delete(name)
-    except StorageError as e:
+    except (CheckpointError, OSError) as e:  # the save is committed: a failed clean-up must not undo that
         log.warning("%s: checkpoint committed, but removing the previous save's files failed: %s", storage.url, e)
+
+
+def _check_same_location(gathered: list, comm: Comm) -> None:
+    """Every rank saves to the same location (files named in the commit live there)."""
+    ranks_by_url: dict[str, list[int]] = {}
+    for rank, (_, _, url) in enumerate(gathered):
+        ranks_by_url.setdefault(url, []).append(comm.global_ranks[rank])
+    if len(ranks_by_url) > 1:
+        where = "; ".join(f"rank(s) {ranks}: {url}" for url, ranks in ranks_by_url.items())
+        raise RankMismatchError(
+            f"{comm.call}: the ranks passed different locations to one save ({where}); every rank must pass the same "
+            "directory (each rank's data file is named in the one metadata.json that commits the checkpoint)"
+        )
+
+
+def _remove_save_files(storage: Storage, save_id: str, world_size: int) -> None:
+    """Remove the data files of save ``save_id`` (best effort: those a rank never wrote are missing)."""
+    for r in range(world_size):
+        try:
+            storage.delete(data_file_name(r, save_id))
+        except StorageError as e:
+            log.warning("%s: removing a data file of a failed save failed: %s", storage.url, e)
 
 
 def _check_tensor_or_value(gathered: list) -> None:
     """A key is a tensor on every rank that has it, or a value on every rank: never both."""
     tensor_rank: dict[str, int] = {}
     value_rank: dict[str, int] = {}
-    for rank, (descs, (as_json, pickled)) in enumerate(gathered):
+    for rank, (descs, (as_json, pickled), _url) in enumerate(gathered):
         for d in descs:
             tensor_rank.setdefault(d.key, rank)
         for key in [*as_json, *pickled]:
@@ -255,5 +297,5 @@ def _build_metadata(
 
 
 def is_our_data_file(name: str) -> bool:
-    return bool(_OUR_FILES.match(name))
+    return bool(_OUR_FILES.fullmatch(name))
 
