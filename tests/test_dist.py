@@ -348,8 +348,8 @@ class _Dies:
             os._exit(17)
         return self._inner.write_file(name)
 
-    def put_atomic(self, name, data, *, overwrite):
-        self._inner.put_atomic(name, data, overwrite=overwrite)
+    def put_atomic(self, name, data, *, overwrite, if_match=None):
+        self._inner.put_atomic(name, data, overwrite=overwrite, if_match=if_match)
         if self.step == "commit":
             os._exit(0)
         if self.step.startswith("kill:"):
