@@ -17,7 +17,7 @@ from ._args import check_arg, check_bool
 from .adapters.modules import ParamInfo, model_state
 from .adapters.optim import GROUPS_KEY, STATE_PREFIX, check_param_groups, optim_state, optim_targets, split_state_key
 from .checkpointer import Checkpointer, _read_metadata
-from .dist import get_comm
+from .dist import Comm, get_comm
 from .errors import CheckpointError, MissingKeyError
 from .knobs import Knobs
 from .storage import Location, open_storage
@@ -120,10 +120,23 @@ def _check_model_args(func: str, model: Any, optim: Any, knobs: Any) -> None:
     check_arg(func, "knobs", knobs, Knobs, optional=True)
 
 
-def _check_unshard_args(func: str, device: Any, rank0_only: Any, no_dist: Any) -> None:
+def _unshard_prefix(
+    func: str, dir: Location, prefix: str, what: str, device: Any, rank0_only: Any, no_dist: Any, knobs: Any,
+    process_group: ProcessGroup | None,
+) -> tuple[dict[str, Any], Comm]:
+    """The keys under ``prefix``, unsharded, for the public function ``func``; ``what`` says
+    what is missing when no key has the prefix."""
     check_arg(func, "device", device, (torch.device, str), optional=True)
     check_bool(func, "rank0_only", rank0_only)
     check_bool(func, "no_dist", no_dist)
+    check_arg(func, "knobs", knobs, Knobs, optional=True)
+    ckpt = Checkpointer(knobs=knobs)
+    storage = open_storage(dir)
+    comm = get_comm(no_dist, process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s)
+    try:
+        return ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix=prefix), comm
+    except MissingKeyError as e:
+        raise MissingKeyError(f"{dir}: {what}: {e}") from None
 
 
 def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool) -> None:
@@ -159,15 +172,9 @@ def unshard_model_state(
     collective at all (any rank may call it alone). Only model tensors are read; a checkpoint
     without any raises ``MissingKeyError``.
     """
-    _check_unshard_args("unshard_model_state", device, rank0_only, no_dist)
-    check_arg("unshard_model_state", "knobs", knobs, Knobs, optional=True)
-    ckpt = Checkpointer(knobs=knobs)
-    storage = open_storage(dir)
-    comm = get_comm(no_dist, process_group, call="shardsafe.unshard_model_state", timeout_s=ckpt.knobs.collective_timeout_s)
-    try:
-        return ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix=MODEL_PREFIX)
-    except MissingKeyError as e:
-        raise MissingKeyError(f"{dir}: no model state in the checkpoint (was it saved by save_model_and_optim_state?): {e}") from None
+    what = "no model state in the checkpoint (was it saved by save_model_and_optim_state?)"
+    flat, _ = _unshard_prefix("unshard_model_state", dir, MODEL_PREFIX, what, device, rank0_only, no_dist, knobs, process_group)
+    return flat
 
 
 def unshard_optim_state(
@@ -186,15 +193,8 @@ def unshard_optim_state(
     all) calls it together; with ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
     collective at all (any rank may call it alone). Only optimizer state is read.
     """
-    _check_unshard_args("unshard_optim_state", device, rank0_only, no_dist)
-    check_arg("unshard_optim_state", "knobs", knobs, Knobs, optional=True)
-    ckpt = Checkpointer(knobs=knobs)
-    storage = open_storage(dir)
-    comm = get_comm(no_dist, process_group, call="shardsafe.unshard_optim_state", timeout_s=ckpt.knobs.collective_timeout_s)
-    try:
-        flat = ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix="optim.")
-    except MissingKeyError as e:
-        raise MissingKeyError(f"{dir}: no optimizer state in the checkpoint (no {GROUPS_KEY!r}): {e}") from None
+    what = f"no optimizer state in the checkpoint (no {GROUPS_KEY!r})"
+    flat, comm = _unshard_prefix("unshard_optim_state", dir, "optim.", what, device, rank0_only, no_dist, knobs, process_group)
     if not flat and rank0_only and comm.rank != 0:
         return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
     name = GROUPS_KEY[len("optim.") :]
