@@ -19,15 +19,13 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 
 from shardsafe import Checkpointer
 
 from .paths import PATHS, run_path
 from .report import Report
-from .sandbox import Result, Sandbox
+from .sandbox import Result, Sandbox, campaign
 from .states import Case, build_cases, truth_files
 
 __all__ = ["Damage", "classify", "run_corrupt"]
@@ -137,13 +135,8 @@ def classify(path: str, res: Result, damage: Damage | None) -> str:
 
 def run_corrupt(trials: int, seed: int, *, workdir: str | None = None, sandbox: Sandbox | None = None) -> Report:
     """Run ``trials`` damaged checkpoints through every read path; see the module docstring."""
-    report = Report("corrupt")
-    start = time.monotonic()
     rng = random.Random(seed)
-    own_dir = workdir is None
-    root = tempfile.mkdtemp(prefix="shardsafe-corrupt-") if own_dir else workdir
-    box = sandbox or Sandbox()
-    try:
+    with campaign("corrupt", workdir, sandbox=sandbox) as (report, root, box):
         cases = build_cases(os.path.join(root, "saved"))
         layouts = {c.kind: _layout(c) for c in cases}
         out = os.path.join(root, "out")
@@ -167,10 +160,4 @@ def run_corrupt(trials: int, seed: int, *, workdir: str | None = None, sandbox: 
                 report.add(outcome, f"{case.kind}, {damage}: {res.error_type} {detail}".strip(), path=f"{damage.kind}/{path}")
             report.trials += 1
             shutil.rmtree(copy)
-    finally:
-        if sandbox is None:
-            box.close()
-        if own_dir:
-            shutil.rmtree(root, ignore_errors=True)
-    report.seconds = time.monotonic() - start
     return report

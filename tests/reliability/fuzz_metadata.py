@@ -26,8 +26,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
-import time
 from typing import Any
 
 import xxhash
@@ -37,7 +35,7 @@ from hypothesis import strategies as st
 from ..sealing import reseal as _reseal
 from .paths import run_path
 from .report import Report
-from .sandbox import Result, Sandbox
+from .sandbox import Result, campaign
 from .states import Case, build_cases, truth_files
 
 __all__ = ["mutations", "run_fuzz"]
@@ -241,12 +239,7 @@ def _short(mutation: tuple) -> str:
 
 def run_fuzz(trials: int, seed_: int, *, workdir: str | None = None, timeout: float = 10.0) -> Report:
     """Run ``trials`` hypothesis examples; see the module docstring."""
-    report = Report("fuzz")
-    start = time.monotonic()
-    own_dir = workdir is None
-    root = tempfile.mkdtemp(prefix="shardsafe-fuzz-") if own_dir else workdir
-    box = Sandbox(timeout=timeout)
-    try:
+    with campaign("fuzz", workdir, timeout=timeout) as (report, root, box):
         cases = [c for c in build_cases(os.path.join(root, "saved")) if c.kind in ("sharded", "single")]
         docs, headers = [], []
         for c in cases:
@@ -278,9 +271,4 @@ def run_fuzz(trials: int, seed_: int, *, workdir: str | None = None, timeout: fl
             shutil.rmtree(base, ignore_errors=True)
 
         trial()
-    finally:
-        box.close()
-        if own_dir:
-            shutil.rmtree(root, ignore_errors=True)
-    report.seconds = time.monotonic() - start
     return report

@@ -27,7 +27,6 @@ import random
 import re
 import shutil
 import signal
-import tempfile
 import time
 from collections import Counter
 from typing import Any
@@ -36,7 +35,7 @@ from .corrupt import classify
 from .kill_child import child
 from .paths import run_path
 from .report import Report
-from .sandbox import CONTEXT, Result, Sandbox
+from .sandbox import CONTEXT, Result, Sandbox, campaign
 from .states import Case, single_state, truth_files, write_state_truth
 
 __all__ = ["ALLOWED_EXTRA", "EXACT_POINTS", "litter", "resave", "run_kill"]
@@ -247,12 +246,7 @@ def scenarios(trials: int, seed: int, counts: dict[int, dict[int, dict[str, int]
 
 def run_kill(trials: int, seed: int, *, workdir: str | None = None, timeout: float = 60.0) -> Report:
     """Run ``trials`` killed jobs; see the module docstring."""
-    report = Report("kill")
-    start = time.monotonic()
-    own_dir = workdir is None
-    root = tempfile.mkdtemp(prefix="shardsafe-kill-") if own_dir else workdir
-    box = Sandbox()
-    try:
+    with campaign("kill", workdir) as (report, root, box):
         truths: dict[tuple[str, int], str] = {}
         for kind, versions in (("single", [*range(1, 6), NEXT_VERSION]), ("sharded", range(1, 6))):
             for v in versions:
@@ -297,9 +291,4 @@ def run_kill(trials: int, seed: int, *, workdir: str | None = None, timeout: flo
             for outcome, detail in dict(found).items():
                 report.add(outcome, detail, path=label)
             shutil.rmtree(trial, ignore_errors=True)
-    finally:
-        box.close()
-        if own_dir:
-            shutil.rmtree(root, ignore_errors=True)
-    report.seconds = time.monotonic() - start
     return report

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import threading
 import time
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 from .kill import litter
 from .paths import run_path
 from .report import Report
-from .sandbox import Sandbox
+from .sandbox import Sandbox, campaign
 from .states import Case, save_case, truth_files, write_state_truth
 
 __all__ = ["MODES", "racer", "run_race"]
@@ -138,12 +137,7 @@ def _check_dir(box: Sandbox, directory: str, accept: list[int], truths: dict[int
 
 def run_race(trials: int, seed: int, *, workdir: str | None = None, timeout: float = 120.0) -> Report:
     """Run ``trials`` races, the modes in turn; see the module docstring. ``seed`` picks the versions."""
-    report = Report("race")
-    start = time.monotonic()
-    own_dir = workdir is None
-    root = tempfile.mkdtemp(prefix="shardsafe-race-") if own_dir else workdir
-    box = Sandbox()
-    try:
+    with campaign("race", workdir) as (report, root, box):
         truths = {}
         for kind, v in [("sharded", seed % 7 + 1), ("sharded", seed % 7 + 2), ("single", PREVIOUS)]:
             truths[v] = os.path.join(root, f"truth-{kind}-{v}")
@@ -173,9 +167,4 @@ def run_race(trials: int, seed: int, *, workdir: str | None = None, timeout: flo
                 name, _, why = outcome.partition(" (")
                 report.add(name, f"{detail} | {why.rstrip(')')}" if why else detail, path=mode)
             shutil.rmtree(trial, ignore_errors=True)
-    finally:
-        box.close()
-        if own_dir:
-            shutil.rmtree(root, ignore_errors=True)
-    report.seconds = time.monotonic() - start
     return report

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from .report import Report
 
 __all__ = ["CONTEXT", "Result", "Sandbox"]
 
@@ -236,3 +241,24 @@ class Sandbox:
                           seconds=time.monotonic() - start)
         self._stop(kill=True)
         return Result("hang", message=f"no answer within {t + self.grace} s (killed)", seconds=time.monotonic() - start)
+
+
+@contextmanager
+def campaign(
+    name: str, workdir: str | None, *, sandbox: Sandbox | None = None, **options: Any
+) -> Iterator[tuple[Report, str, Sandbox]]:
+    """A campaign's report, working directory (a temporary one unless ``workdir``, removed at
+    the end) and sandbox (``sandbox``, or one made with ``options`` and closed at the end); the
+    report's ``seconds`` is set when the block ends."""
+    report = Report(name)
+    start = time.monotonic()
+    root = workdir or tempfile.mkdtemp(prefix=f"shardsafe-{name}-")
+    box = sandbox or Sandbox(**options)
+    try:
+        yield report, root, box
+    finally:
+        if sandbox is None:
+            box.close()
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        report.seconds = time.monotonic() - start
