@@ -1,7 +1,8 @@
 """Save execution: each rank streams its chunks into its own safetensors file; then commit.
 
 Call order (every rank calls :func:`save_state` together):
-  describe (local) -> gather to coordinator -> plan (coordinator) -> scatter each rank's part
+  describe (local) -> gather to coordinator -> plan (coordinator; reused when the structure is
+  the previous save's, see :mod:`.plan_cache`) -> scatter each rank's part
   -> write + fsync (every rank) -> gather checksums -> commit ``metadata.json`` (coordinator,
   atomic, last) -> broadcast the result. A failure on any rank at any step makes every rank
   raise, and the coordinator removes the files this save wrote; a committed checkpoint at the
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._gc import paused_gc
 from ..adapters import LocalTensor, describe_state
@@ -37,6 +38,7 @@ from ..format.metadata import (
 from ..knobs import Knobs
 from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name, plan_save
 from ..storage import Storage
+from . import plan_cache
 from .buffers import WriteBehind, byte_view
 from .objects import encode_objects, merge_rank_objects
 
@@ -51,19 +53,42 @@ def save_state(
     storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs
 ) -> tuple[StorageMetadata, list[str]]:
     local: dict[str, LocalTensor] = {}
+    key = (tuple(comm.global_ranks), knobs.replica_split_bytes)
+    cached = plan_cache.lookup(key)
+    mine_desc: dict[str, Any] = {}
 
-    def describe():
-        tensors, objects = describe_state(state_dict)
-        local.update((t.key, t) for t in tensors)
-        descs = [TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors]
-        return descs, encode_objects(objects, allow_pickle=allow_pickle), storage.url
+    def describe(full: bool) -> _RankDescription:
+        if not mine_desc:
+            tensors, objects = describe_state(state_dict)
+            local.update((t.key, t) for t in tensors)
+            descs = [TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors]
+            mine_desc.update(descs=descs, digest=plan_cache.describe_digest(descs))
+            mine_desc["objects"] = encode_objects(objects, allow_pickle=allow_pickle)
+        same = not full and cached.digest == mine_desc["digest"]  # the coordinator has it from last time
+        descs = None if same else mine_desc["descs"]
+        return _RankDescription(descs, mine_desc["digest"], cached.rank_plan_id, mine_desc["objects"], storage.url)
 
-    gathered = comm.gather(describe)
     state: dict[str, Any] = {}
 
-    def plan() -> list[tuple[RankWritePlan, str]]:
+    def plan(gathered: list[_RankDescription]) -> list[tuple[RankWritePlan | None, str, str] | None]:
+        """Each rank's plan part, the save id and the plan's id; ``None`` as the part: reuse
+        the cached one. ``[None] * n`` asks every rank for its full description (the
+        coordinator lost one it needs)."""
         comm.raise_failures(gathered)
-        _check_same_location(gathered, comm)  # type: ignore[arg-type]
+        _check_same_location(gathered, comm)
+        digests = tuple(g.digest for g in gathered)
+        hit = (
+            cached.plan is not None
+            and cached.digests == digests
+            and all(g.descs is None and g.plan_id == cached.plan_id for g in gathered)
+        )
+        if not hit and any(g.descs is None for g in gathered):
+            if cached.descs is None or cached.digests is None or any(
+                g.descs is None and (len(cached.digests) <= r or cached.digests[r] != g.digest) for r, g in enumerate(gathered)
+            ):
+                plan_cache.count("resend")
+                return [None] * comm.world_size
+        descs = [g.descs if g.descs is not None else cached.descs[r] for r, g in enumerate(gathered)]  # type: ignore[index]
         state["listed"] = storage.list()  # before this save writes anything: see _sweep
         state["seen"] = _committed_version(storage)
         if not save_overwrite and state["seen"] is not None:
@@ -71,14 +96,29 @@ def save_state(
                 f"{storage.url}: a checkpoint is already committed there; pass save_overwrite=True to replace it"
             )
         save_id = uuid.uuid4().hex[:12]
-        state["objects"] = merge_rank_objects([g[1] for g in gathered])  # type: ignore[index]
-        _check_tensor_or_value(gathered)  # type: ignore[arg-type]
+        state["objects"] = merge_rank_objects([g.objects for g in gathered])
+        _check_tensor_or_value(descs, gathered)
+        if hit:
+            plan_cache.count("hit")
+            state["plan"] = plan_cache.renamed_plan(cached.plan, save_id)  # type: ignore[arg-type]
+            state["save_id"] = save_id
+            return [(None, save_id, cached.plan_id)] * comm.world_size  # type: ignore[list-item]
+        plan_cache.count("miss")
         with paused_gc():
-            state["plan"] = plan_save([g[0] for g in gathered], save_id=save_id, split_bytes=knobs.replica_split_bytes)  # type: ignore[index]
+            state["plan"] = plan_save(descs, save_id=save_id, split_bytes=knobs.replica_split_bytes)
+        plan_id = plan_cache.store_coordinator(key, digests, descs, state["plan"])
         state["save_id"] = save_id
-        return [(r, save_id) for r in state["plan"].ranks]
+        return [(r, save_id, plan_id) for r in state["plan"].ranks]
 
-    mine, save_id = comm.scatter(plan)
+    gathered = comm.gather(lambda: describe(False))
+    got = comm.scatter(lambda: plan(gathered))  # type: ignore[arg-type]
+    if got is None:  # the coordinator asked for the full descriptions: once
+        gathered = comm.gather(lambda: describe(True))
+        got = comm.scatter(lambda: plan(gathered))  # type: ignore[arg-type]
+    mine, save_id, plan_id = got
+    if mine is None:  # the coordinator reuses the plan this rank's cached part is from
+        mine = plan_cache.renamed(cached.rank_plan, comm.rank, save_id)  # type: ignore[arg-type]
+    plan_cache.store_rank(key, mine_desc["digest"], mine, plan_id)
     try:
         written = comm.gather(lambda: _write_file(storage, mine, local, knobs))
     except CollectiveError:  # a rank died or lost its connection: nothing will commit
@@ -189,11 +229,21 @@ def _sweep(storage: Storage, listed: list[str], *, keep: set[str]) -> None:
         log.warning("%s: checkpoint committed, but removing the previous save's files failed: %s", storage.url, e)
 
 
-def _check_same_location(gathered: list, comm: Comm) -> None:
+class _RankDescription(NamedTuple):
+    """What each rank sends the coordinator at the start of a save."""
+
+    descs: list[TensorDesc] | None  # None: the same as last time (its digest says so)
+    digest: str
+    plan_id: str | None  # the plan this rank's cached part is from
+    objects: tuple[dict[str, Any], dict[str, str]]  # encoded non-tensor values
+    url: str
+
+
+def _check_same_location(gathered: list[_RankDescription], comm: Comm) -> None:
     """Every rank saves to the same location (files named in the commit live there)."""
     ranks_by_url: dict[str, list[int]] = {}
-    for rank, (_, _, url) in enumerate(gathered):
-        ranks_by_url.setdefault(url, []).append(comm.global_ranks[rank])
+    for rank, g in enumerate(gathered):
+        ranks_by_url.setdefault(g.url, []).append(comm.global_ranks[rank])
     if len(ranks_by_url) > 1:
         where = "; ".join(f"rank(s) {ranks}: {url}" for url, ranks in ranks_by_url.items())
         raise RankMismatchError(
@@ -211,14 +261,14 @@ def _remove_save_files(storage: Storage, save_id: str, world_size: int) -> None:
             log.warning("%s: removing a data file of a failed save failed: %s", storage.url, e)
 
 
-def _check_tensor_or_value(gathered: list) -> None:
+def _check_tensor_or_value(descs: list[list[TensorDesc]], gathered: list[_RankDescription]) -> None:
     """A key is a tensor on every rank that has it, or a value on every rank: never both."""
     tensor_rank: dict[str, int] = {}
     value_rank: dict[str, int] = {}
-    for rank, (descs, (as_json, pickled), _url) in enumerate(gathered):
-        for d in descs:
+    for rank, (rank_descs, g) in enumerate(zip(descs, gathered)):
+        for d in rank_descs:
             tensor_rank.setdefault(d.key, rank)
-        for key in [*as_json, *pickled]:
+        for key in [*g.objects[0], *g.objects[1]]:
             value_rank.setdefault(key, rank)
     for key in sorted(tensor_rank.keys() & value_rank.keys()):
         raise CheckpointError(
