@@ -16,7 +16,6 @@ import queue as queue_mod
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -38,6 +37,7 @@ from shardsafe.storage import ObjectStoreOptions, open_storage
 from shardsafe.storage.object_store import ObjectStorage
 
 from .distributed import run_ranks
+from .racing import race_puts
 from .servers import AZURITE_ACCOUNT, AZURITE_KEY, CLOUDS, Cloud, azure_blob_names, cloud, fresh, s3_multipart_uploads
 
 PART = 5 << 20  # the smallest part S3 allows, so that small test files still go in several parts
@@ -653,23 +653,7 @@ def test_retries_give_up_after_max_retries_with_the_cause(object_cloud) -> None:
 def test_concurrent_commits_one_wins(object_cloud) -> None:
     c = object_cloud
     storage = _open(c)
-    results: list[str] = [""] * 8
-
-    def commit(i: int) -> None:
-        try:
-            storage.put_atomic("metadata.json", f"writer {i}".encode() * 50, overwrite=False)
-            results[i] = "won"
-        except FileExistsError:
-            results[i] = "refused"
-
-    threads = [threading.Thread(target=commit, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    (winner,) = [i for i, r in enumerate(results) if r == "won"]
-    assert results.count("refused") == 7
-    assert storage.read("metadata.json") == f"writer {winner}".encode() * 50
+    race_puts(storage, "metadata.json", overwrite=False)
 
 
 # --- fork ---------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import uuid
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from shardsafe.storage.local import LocalStorage
 from shardsafe.storage.memory import MemoryStorage
 
 from . import servers
+from .racing import race_puts
 
 PAYLOAD = bytes(range(256)) * 4  # 1024 bytes, every position distinct within 256
 
@@ -220,23 +220,7 @@ def test_put_atomic_if_match_replaces_only_the_version_it_read(storage) -> None:
 def test_concurrent_conditional_replacements_one_wins(storage) -> None:
     storage.put_atomic("m.json", b"start", overwrite=False)
     _, seen = storage.read_versioned("m.json")
-    results = [""] * 8
-
-    def replace(i: int) -> None:
-        try:
-            storage.put_atomic("m.json", f"writer {i}".encode() * 50, overwrite=True, if_match=seen)
-            results[i] = "won"
-        except FileExistsError:
-            results[i] = "refused"
-
-    threads = [threading.Thread(target=replace, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    (winner,) = [i for i, r in enumerate(results) if r == "won"]
-    assert results.count("refused") == 7
-    assert storage.read("m.json") == f"writer {winner}".encode() * 50
+    race_puts(storage, "m.json", overwrite=True, if_match=seen)
     if _on_disk(storage) is not None:
         assert _on_disk(storage) == ["m.json"]
 
