@@ -29,7 +29,10 @@ import xxhash
 
 from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name
 
-__all__ = ["CacheKey", "Entry", "lookup", "reset", "stats", "store_coordinator", "store_rank", "describe_digest", "renamed"]
+__all__ = [
+    "CacheKey", "Entry", "count", "describe_digest", "lookup", "renamed", "renamed_plan", "reset", "stats",
+    "store_coordinator", "store_rank",
+]
 
 CacheKey = tuple  # (global ranks of the group, replica_split_bytes)
 

@@ -180,13 +180,13 @@ class Reader:
             if a < b:
                 out = self._in_place(item, byte_view(dst), lo, a, b)
                 if lo < a:
-                    out.append(lambda: self._via_scratch(item, dst, span_lo, a, lo, a, itemsize, byte_copy=True))
+                    out.append(lambda: self._via_scratch(item, dst, span_lo, a, lo, a, dst_byte=0))
                 if b < hi:
-                    out.append(lambda: self._via_scratch(item, dst, b, span_hi, b, hi, itemsize, byte_copy=True))
+                    out.append(lambda: self._via_scratch(item, dst, b, span_hi, b, hi, dst_byte=b - lo))
                 return out
         if span_hi - span_lo > self.budget and sums.block_bytes >= sums.nbytes and sums.algorithm == "crc32c":
             return [lambda: self._run_unverified(item, itemsize, dst)]  # a part of a large v1 chunk
-        return [lambda: self._via_scratch(item, dst, span_lo, span_hi, lo, hi, itemsize, byte_copy=False)]
+        return [lambda: self._via_scratch(item, dst, span_lo, span_hi, lo, hi)]
 
     def _in_place(self, item: ReadItem, dst: memoryview, lo: int, a: int, b: int) -> list[Callable[[], None]]:
         """Tasks reading whole blocks ``[a, b)`` of the chunk into ``dst`` (which starts at ``lo``)."""
@@ -204,20 +204,18 @@ class Reader:
         item.sums.check(pos, view)
 
     def _via_scratch(
-        self, item: ReadItem, dst: torch.Tensor, span_lo: int, span_hi: int, lo: int, hi: int, itemsize: int, *, byte_copy: bool
+        self, item: ReadItem, dst: torch.Tensor, span_lo: int, span_hi: int, lo: int, hi: int, *, dst_byte: int | None = None
     ) -> None:
         """Read blocks ``[span_lo, span_hi)`` of the chunk into scratch, check them, and copy out
-        the item's bytes (``[lo, hi)`` into the start of ``dst``'s bytes when ``byte_copy``, else
-        the item's box, which starts at ``lo``)."""
+        bytes ``[lo, hi)``: to ``dst``'s bytes from ``dst_byte`` on, or (``dst_byte`` None) as the
+        item's box, which starts at ``lo``."""
         raw = self.scratch.get(span_hi - span_lo)
         buf = byte_view(raw)
         self.storage.read_into(item.file, item.chunk_start + span_lo, [buf])
         self._count(buf.nbytes)
         item.sums.check(span_lo, buf)
-        if byte_copy:
-            first = item.src_start - item.chunk_start + _src_runs(item)[2] * itemsize  # the item's first byte
-            out = byte_view(dst)
-            out[lo - first : hi - first] = buf[lo - span_lo : hi - span_lo]
+        if dst_byte is not None:
+            byte_view(dst)[dst_byte : dst_byte + hi - lo] = buf[lo - span_lo : hi - span_lo]
             return
         strides = row_major_strides(item.src_shape)
         src = raw[lo - span_lo :].view(dst.dtype).as_strided(item.lengths, strides)
