@@ -1,8 +1,15 @@
 """shardsafe: fast, lean, safe distributed checkpoints for PyTorch, on safetensors files."""
 
 from .adapters import ShardedTensor
-from .api import load_model_and_optim_state, save_model_and_optim_state, unshard_model_state, unshard_optim_state
+from .api import (
+    async_save_model_and_optim_state,
+    load_model_and_optim_state,
+    save_model_and_optim_state,
+    unshard_model_state,
+    unshard_optim_state,
+)
 from .checkpointer import Checkpointer
+from .engine.background import AsyncSave
 from .engine.consolidate import unshard_to_safetensors
 from .errors import (
     CheckpointError,
@@ -25,6 +32,7 @@ from .verify import VerifyReport, verify
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSave",
     "CheckpointError",
     "CheckpointExistsError",
     "Checkpointer",
@@ -44,6 +52,7 @@ __all__ = [
     "TensorShardSpec",
     "TensorStorageMetadata",
     "VerifyReport",
+    "async_save_model_and_optim_state",
     "load_model_and_optim_state",
     "save_model_and_optim_state",
     "unshard_model_state",

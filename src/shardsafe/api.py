@@ -18,6 +18,7 @@ from .adapters.modules import ParamInfo, model_state
 from .adapters.optim import GROUPS_KEY, STATE_PREFIX, check_param_groups, optim_state, optim_targets, split_state_key
 from .checkpointer import Checkpointer, _read_metadata
 from .dist import Comm, get_comm
+from .engine.background import AsyncSave, completed
 from .errors import CheckpointError, MissingKeyError
 from .knobs import Knobs
 from .storage import Location, open_storage
@@ -25,7 +26,7 @@ from .storage import Location, open_storage
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["load_model_and_optim_state", "save_model_and_optim_state", "unshard_model_state", "unshard_optim_state"]
+__all__ = ["async_save_model_and_optim_state", "load_model_and_optim_state", "save_model_and_optim_state", "unshard_model_state", "unshard_optim_state"]
 
 MODEL_PREFIX = "model."
 
@@ -57,17 +58,43 @@ def save_model_and_optim_state(
     :func:`load_model_and_optim_state`. Returns the files this rank wrote. ``process_group``:
     the ranks that take part (default: all).
     """
-    _check_model_args("save_model_and_optim_state", model, optim, knobs)
-    check_bool("save_model_and_optim_state", "save_overwrite", save_overwrite)
-    ckpt = Checkpointer(knobs=knobs)
-    storage = open_storage(dir)
+    return _save_model_and_optim("save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group).wait()
+
+
+def async_save_model_and_optim_state(
+    dir: Location,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    save_overwrite: bool = False,
+    *,
+    knobs: Knobs | None = None,
+    process_group: ProcessGroup | None = None,
+) -> AsyncSave[list[str]]:
+    """:func:`save_model_and_optim_state` in the background: returns once the state is staged
+    (training may go on and change every parameter); ``wait()`` on the result returns the files
+    this rank wrote once the checkpoint is committed, or raises the save's error."""
+    return _save_model_and_optim("async_save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group)
+
+
+def model_and_optim_values(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The flat state dict :func:`save_model_and_optim_state` stores: ``model.*`` and ``optim.*`` keys."""
     params, buffers = model_state(model)
     state = _model_values(params, buffers)
     if optim is not None:
         state.update(optim_state(optim, params))
-    comm = get_comm(process_group=process_group, call="shardsafe.save_model_and_optim_state", timeout_s=ckpt.knobs.collective_timeout_s)
-    _, files = ckpt._save(storage, state, save_overwrite, comm)
-    return files
+    return state
+
+
+def _save_model_and_optim(
+    func: str, dir: Location, model: Any, optim: Any, save_overwrite: Any, knobs: Any, process_group: ProcessGroup | None
+) -> AsyncSave[list[str]]:
+    _check_model_args(func, model, optim, knobs)
+    check_bool(func, "save_overwrite", save_overwrite)
+    ckpt = Checkpointer(knobs=knobs)
+    storage = open_storage(dir)
+    state = model_and_optim_values(model, optim)
+    comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s)
+    return completed(storage.url, lambda: ckpt._save(storage, state, save_overwrite, comm)[1])
 
 
 def load_model_and_optim_state(

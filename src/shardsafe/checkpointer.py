@@ -10,6 +10,7 @@ from ._args import check_arg, check_bool
 from ._gc import paused_gc
 from .adapters import LocalTensor, describe_state
 from .dist import Comm, get_comm
+from .engine.background import AsyncSave, completed
 from .engine.bounds import check_files_hold
 from .engine.objects import decode_objects
 from .engine.reader import Reader
@@ -68,6 +69,25 @@ class Checkpointer:
         check_bool("Checkpointer.save", "save_overwrite", save_overwrite)
         storage = open_storage(dir)
         return self._save(storage, state_dict, save_overwrite, self._comm("save", False, process_group))
+
+    def async_save(
+        self,
+        dir: Location,
+        state_dict: dict[str, Any],
+        save_overwrite: bool = False,
+        *,
+        process_group: ProcessGroup | None = None,
+    ) -> AsyncSave[tuple[StorageMetadata, list[str]]]:
+        """:meth:`save` in the background: returns once ``state_dict`` is staged (copied), so the
+        caller may change every tensor at once; the writes, checksums and commit go on in the
+        background. ``wait()`` / ``committed.result()`` on the returned :class:`AsyncSave` give
+        what :meth:`save` returns, or raise its error. Every rank calls it together.
+        """
+        check_arg("Checkpointer.async_save", "state_dict", state_dict, dict)
+        check_bool("Checkpointer.async_save", "save_overwrite", save_overwrite)
+        storage = open_storage(dir)
+        comm = self._comm("async_save", False, process_group)
+        return completed(storage.url, lambda: self._save(storage, state_dict, save_overwrite, comm))
 
     def _save(self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm) -> tuple[StorageMetadata, list[str]]:
         return save_state(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle, comm=comm, knobs=self.knobs)
