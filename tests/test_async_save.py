@@ -421,6 +421,8 @@ def _killed_in_background_write(rank: int, ws: int, port: int, root: str) -> Non
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not _has_bytes(step2, "r00001"):
             time.sleep(0.0005)
+        if _has_bytes(step2, "r00001") and not os.path.exists(os.path.join(step2, "metadata.json")):
+            open(os.path.join(root, "killed-mid-write"), "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     caught = _caught(h.wait)
@@ -447,6 +449,7 @@ def test_kill_9_during_a_background_write_leaves_the_last_commit_and_refuses_the
             p.join()
     assert not hung, f"rank(s) {hung} hung after rank 1 was killed"
     assert [p.exitcode for p in procs] == [0, -signal.SIGKILL]
+    assert os.path.exists(os.path.join(root, "killed-mid-write")), "rank 1 was meant to die while its data file was being written"
     with open(os.path.join(root, "wait-r0.json")) as f:
         report = json.load(f)
     caught, took = report["caught"], report["took"]
