@@ -48,20 +48,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def knobs(**changes: int) -> Knobs:
-    """``KNOBS`` with ``changes``; names a knob that does not exist yet instead of a bare
-    dataclasses error (``async_staging_bytes`` and ``async_max_in_flight`` come with the
-    background engine)."""
-    fields = {f.name for f in dataclasses.fields(Knobs)}
-    unknown = sorted(set(changes) - fields)
-    if unknown:
-        raise TypeError(f"Knobs has no field(s) {unknown}: the async-save engine's knobs are not there yet")
     return dataclasses.replace(KNOBS, **changes)
 
 
 # --- a plain state, one process ------------------------------------------------------------------
 
 PLAIN = {  # key: (shape, dtype)
-    "w": ((1024, 1024), torch.float32),  # 4 MiB: larger than the staging budget of the parts test
+    "w": ((1024, 1024), torch.float32),
     "b": ((333,), torch.bfloat16),
     "m": ((64, 48), torch.float64),
     "mask": ((100,), torch.bool),
@@ -124,24 +117,6 @@ def test_values_changed_after_async_save_returns_are_not_in_the_checkpoint(tmp_p
     assert torch.equal(out["t"], full_tensor("t", (8, 8)))
 
 
-def test_a_save_larger_than_the_staging_budget_is_staged_in_parts_and_says_so(tmp_path, caplog):
-    budget = 256 << 10  # "w" alone is 16 times this
-    ckpt = Checkpointer(knobs=knobs(async_staging_bytes=budget))
-    with caplog.at_level(logging.INFO, logger="shardsafe"):
-        sd = _plain(2)
-        h = ckpt.async_save(str(tmp_path / "parts"), sd)
-        _change(t for k, t in sd.items() if k != "wt")
-        h.wait()
-        said = [r for r in caplog.records if r.name.startswith("shardsafe") and r.levelno == logging.INFO and "part" in r.getMessage()]
-        caplog.clear()
-        Checkpointer(knobs=knobs(async_staging_bytes=1 << 30)).async_save(str(tmp_path / "whole"), _plain(2)).wait()
-        unsaid = [r for r in caplog.records if r.name.startswith("shardsafe") and "part" in r.getMessage()]
-    assert said, "a save over the staging budget must say in the log (INFO, logger shardsafe...) that it stages in parts"
-    assert not unsaid, [r.getMessage() for r in unsaid]
-    _assert_plain(Checkpointer().unshard(str(tmp_path / "parts")), 2)
-    _assert_plain(Checkpointer().unshard(str(tmp_path / "whole")), 2)
-
-
 def test_saves_commit_in_call_order_one_in_flight_by_default(tmp_path):
     ckpt = Checkpointer()
     sd = _plain(1)
@@ -202,10 +177,9 @@ def _assert_dist(path: str, version: int) -> None:
         assert torch.equal(out[key], full_tensor(f"{key}@{version}", shape)), key
 
 
-def _async_then_change(rank, ws, path, staging):
-    extra = {} if staging is None else {"async_staging_bytes": staging}
+def _async_then_change(rank, ws, path):
     sd = _dist_state(ws, 1)
-    h = Checkpointer(knobs=knobs(replica_split_bytes=SPLIT, **extra)).async_save(path, {**sd, "step": 3})
+    h = Checkpointer(knobs=knobs(replica_split_bytes=SPLIT)).async_save(path, {**sd, "step": 3})
     _change(_locals(sd))
     meta, files = h.wait()
     return meta.model_dump(), [os.path.basename(f) for f in files]
@@ -214,17 +188,63 @@ def _async_then_change(rank, ws, path, staging):
 @pytest.mark.parametrize("ws", [2, 4])
 def test_sharded_and_split_replicated_tensors_changed_after_return_are_not_in_the_checkpoint(tmp_path, ws):
     path = str(tmp_path / "c")
-    results = run_ranks(ws, _async_then_change, path, None)
+    results = run_ranks(ws, _async_then_change, path)
     _assert_dist(path, 1)
     meta = StorageMetadata.model_validate(results[0][0])
     assert len(meta.tensors["big_rep"].shard_spec_per_file) == ws  # split over every rank
     assert [len(files) for _, files in results] == [1] * ws
 
 
-def test_staged_in_parts_on_ranks(tmp_path):
-    path = str(tmp_path / "c")
-    run_ranks(2, _async_then_change, path, 32 << 10)
-    _assert_dist(path, 1)
+class _Said(logging.Handler):
+    """The INFO (and louder) lines of shardsafe's loggers."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _staged_in_parts(rank, ws, root, budget):
+    """Save twice, in a fresh process (no staging buffer kept from an earlier save): over the
+    budget, then with the default budget; what shardsafe logged during each."""
+    logger = logging.getLogger("shardsafe")
+    said, level = _Said(), logger.level
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
+    try:
+        lines = []
+        for name, ckpt in (("parts", Checkpointer(knobs=knobs(replica_split_bytes=SPLIT, async_staging_bytes=budget))),
+                           ("whole", Checkpointer(knobs=knobs(replica_split_bytes=SPLIT)))):
+            sd = {**_dist_state(ws, 1), **_bulk(ws, 1)}
+            h = ckpt.async_save(os.path.join(root, name), sd)
+            _change(_locals(sd))
+            h.wait()
+            lines.append(said.lines[:])
+            said.lines.clear()
+        return lines
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+
+
+def _bulk(ws: int, version: int) -> dict:
+    """3 MiB of rows on every rank, and a 2 MiB replicated tensor that is a transposed view."""
+    return {"bulk": _dtensor(f"bulk@{version}", (ws * 768, 1024), (ws,), ["S0"]), "wt": full_tensor(f"wt@{version}", (512, 1024)).t()}
+
+
+@pytest.mark.parametrize(("ws", "budget"), [(1, 1 << 20), (2, 1 << 20), (2, 64 << 10)], ids=["ws1-1MiB", "ws2-1MiB", "ws2-64KiB"])
+def test_a_save_larger_than_the_staging_budget_is_staged_in_parts_and_says_so(tmp_path, ws, budget):
+    results = run_ranks(ws, _staged_in_parts, str(tmp_path), budget)
+    for rank, (parts, whole) in enumerate(results):
+        assert [line for line in parts if "in parts" in line], f"rank {rank}: no INFO line on logger shardsafe says the save staged in parts: {parts}"
+        assert not [line for line in whole if "in parts" in line], f"rank {rank}: {whole}"
+    for name in ("parts", "whole"):
+        _assert_dist(str(tmp_path / name), 1)
+        out = Checkpointer().unshard(str(tmp_path / name))
+        assert torch.equal(out["bulk"], full_tensor("bulk@1", (ws * 768, 1024)))
+        assert torch.equal(out["wt"], full_tensor("wt@1", (512, 1024)).t())
 
 
 def _fsdp2_train_after_async_save(rank, ws, path):
