@@ -139,6 +139,19 @@ def test_saves_commit_in_call_order_one_in_flight_by_default(tmp_path):
         _assert_plain(Checkpointer().unshard(str(tmp_path / name)), version)
 
 
+def test_a_load_of_a_location_with_a_save_in_flight_reads_what_that_save_commits(tmp_path):
+    path = str(tmp_path / "c")
+    sd = _plain(1)
+    h = Checkpointer().async_save(path, sd)
+    _change(t for k, t in sd.items() if k != "wt")
+    target = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in PLAIN.items()}
+    Checkpointer().load(path, target)  # no wait() first
+    assert h.done()
+    for k, w in _plain(1).items():
+        if k != "wt":
+            assert torch.equal(target[k], w), k
+
+
 def test_async_max_in_flight_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("SHARDSAFE_ASYNC_MAX_IN_FLIGHT", "3")
     monkeypatch.setenv("SHARDSAFE_ASYNC_STAGING_BYTES", str(5 << 20))
@@ -478,6 +491,7 @@ def test_kill_9_during_a_background_write_leaves_the_last_commit_and_refuses_the
     assert took < 60
     out = Checkpointer().unshard(os.path.join(root, "step1"))
     assert torch.equal(out["w"], full_tensor("w@1", (ws * 64, 1024))) and out["step"] == 1
+    assert os.listdir(os.path.join(root, "step2")) == []  # rank 0 removed the new save's files, rank 1's too
     with pytest.raises(IncompleteCheckpointError, match="not a committed checkpoint"):
         Checkpointer().unshard(os.path.join(root, "step2"))
     with pytest.raises(IncompleteCheckpointError):
