@@ -105,3 +105,27 @@ def test_a_state_larger_than_the_budget_stages_in_parts_and_says_so(tmp_path, ca
     out = shardsafe.Checkpointer().unshard(tmp_path / "c")
     assert all(torch.equal(out[k], v) for k, v in expected.items())
     assert shardsafe.verify(tmp_path / "c").errors == []
+
+
+needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("budget", [None, 3 << 20])
+@needs_cuda[0]
+@needs_cuda[1]
+def test_cuda_tensors_stage_into_pinned_memory_and_do_not_leak(tmp_path, budget) -> None:
+    """On CUDA the ring is pinned and copies run on a side stream; async_save returns only once
+    they are done, so kernels the caller queues next cannot change what is written."""
+    RINGS.clear()
+    knobs = KNOBS if budget is None else dataclasses.replace(KNOBS, async_staging_bytes=budget, write_block_bytes=1 << 20)
+    dev = torch.device("cuda")
+    state = {"w": torch.randn(2048, 1024, device=dev), "t": torch.randn(512, 300, device=dev).t(), "b": torch.arange(7, device=dev)}
+    expected = {k: v.cpu() for k, v in state.items()}
+    state["w"].mul_(1.0)  # work queued on the caller's stream before the save: must be in the checkpoint
+    pending = shardsafe.Checkpointer(knobs=knobs).async_save(tmp_path / "g", state)
+    for t in state.values():
+        t.zero_()
+    pending.wait()
+    assert all(r.pinned for r in RINGS._free)
+    out = shardsafe.Checkpointer().unshard(tmp_path / "g")
+    assert all(torch.equal(out[k], v) for k, v in expected.items())
