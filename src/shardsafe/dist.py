@@ -109,6 +109,8 @@ def raise_failures(results: list[Any] | None, *, rank: int, own: BaseException |
 def _error(failures: list[RankFailure], *, rank: int, own: BaseException | None) -> BaseException:
     by_rank = {f.rank: f for f in sorted(failures, key=lambda f: f.rank)}
     if own is not None and list(by_rank) == [rank]:
+        if isinstance(own, CheckpointError) and not own.rank_errors:  # as the other ranks see it
+            own.rank_errors = {rank: by_rank[rank].describe()}
         return own
     first = next(iter(by_rank.values()))
     cls = first.error_class or CheckpointError

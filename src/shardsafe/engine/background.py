@@ -120,9 +120,10 @@ def before_save(location: str, *, max_in_flight: int | None) -> None:
             s2.committed.observed = True  # type: ignore[attr-defined]
         log.error("shardsafe: the background save to %s failed; raising its error from the next save", s.location)
         assert e is not None
+        message = f"an earlier async save to {s.location} failed, so this save did not start: {e}"
         if isinstance(e, CheckpointError):
-            e.args = (f"an earlier async save to {s.location} failed, so this save did not start: {e}",)
-        raise e
+            raise type(e)(message, rank_errors=e.rank_errors) from e
+        raise CheckpointError(message) from e
 
 
 def wait_for_location(location: str) -> None:
@@ -167,6 +168,18 @@ def run_in_background(location: str, produce: Callable[[], None], consume: Calla
         raise
     staged.set_result(None)
     return handle
+
+
+def _announce_exit_wait() -> None:
+    """Runs as the interpreter starts to exit, before it joins the save threads: say why it waits."""
+    with _lock:
+        pending = [s.location for s in _in_flight if not s.done()]
+    if pending:
+        log.warning("shardsafe: waiting for %d async save(s) in flight before exiting: %s", len(pending), ", ".join(pending))
+
+
+if hasattr(threading, "_register_atexit"):  # runs before non-daemon threads are joined (Python >= 3.9)
+    threading._register_atexit(_announce_exit_wait)  # type: ignore[attr-defined]
 
 
 @atexit.register
