@@ -92,7 +92,9 @@ class Failed:
     failures: tuple[RankFailure, ...]
 
 
-def raise_failures(results: list[Any] | None, *, rank: int, own: BaseException | None = None) -> None:
+def raise_failures(
+    results: list[Any] | None, *, rank: int, own: BaseException | None = None, own_as_is: bool = True
+) -> None:
     """Raise one error if any result is a :class:`Failed`.
 
     ``rank`` is this process's global rank and ``own`` the exception it raised itself, if any:
@@ -103,12 +105,12 @@ def raise_failures(results: list[Any] | None, *, rank: int, own: BaseException |
     """
     failures = [f for r in results or () if isinstance(r, Failed) for f in r.failures]
     if failures:
-        raise _error(failures, rank=rank, own=own)
+        raise _error(failures, rank=rank, own=own, own_as_is=own_as_is)
 
 
-def _error(failures: list[RankFailure], *, rank: int, own: BaseException | None) -> BaseException:
+def _error(failures: list[RankFailure], *, rank: int, own: BaseException | None, own_as_is: bool = True) -> BaseException:
     by_rank = {f.rank: f for f in sorted(failures, key=lambda f: f.rank)}
-    if own is not None and list(by_rank) == [rank]:
+    if own_as_is and own is not None and list(by_rank) == [rank]:
         if isinstance(own, CheckpointError) and not own.rank_errors:  # as the other ranks see it
             own.rank_errors = {rank: by_rank[rank].describe()}
         return own
@@ -134,8 +136,11 @@ class Comm:
     function locally and sends nothing.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, call: str = "shardsafe") -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, call: str = "shardsafe", own_as_is: bool = True) -> None:
         self.call = call
+        # True: a rank that alone failed re-raises its own exception (its traceback at hand); False:
+        # it raises the error every other rank raises, its own exception as the cause
+        self.own_as_is = own_as_is
         self.group = group
         if group is None:
             self.rank, self.world_size, self.global_ranks = 0, 1, [0]
@@ -242,7 +247,7 @@ class Comm:
 
     def raise_failures(self, results: list[Any] | None) -> None:
         """:func:`raise_failures` for this rank: its own exception is re-raised when it alone failed."""
-        raise_failures(results, rank=self.global_rank, own=self._own_error)
+        raise_failures(results, rank=self.global_rank, own=self._own_error, own_as_is=self.own_as_is)
 
     # --- failures as records ----------------------------------------------------------------------
 
@@ -258,7 +263,7 @@ class Comm:
             return Failed((RankFailure.of(self.global_rank, e),))
 
     def _failure(self, failed: Failed) -> BaseException:
-        return _error(list(failed.failures), rank=self.global_rank, own=self._own_error)
+        return _error(list(failed.failures), rank=self.global_rank, own=self._own_error, own_as_is=self.own_as_is)
 
     def _encode(self, value: Any) -> tuple[bytes, Any]:
         """``value`` pickled, and ``value``; one that cannot be pickled becomes this rank's failure
@@ -447,14 +452,14 @@ def background_comm(comm: Comm, *, timeout_s: float) -> Comm:
     for a peer fails with ``CollectiveError`` rather than hanging.
     """
     if not comm.distributed:
-        return Comm(None, call=comm.call)
+        return Comm(None, call=comm.call)  # one rank: its own error is the error
     side = _BACKGROUND_GROUPS.get(comm.group)
     if side is None:
         side = dist.new_group(
             comm.global_ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
         )
         _BACKGROUND_GROUPS[comm.group] = side
-    out = Comm(side, call=comm.call)
+    out = Comm(side, call=comm.call, own_as_is=False)  # one error, worded the same on every rank
     if out.global_ranks != comm.global_ranks:  # new_group orders ranks by number; a group given in another order
         raise CollectiveError(
             f"{comm.call}: the background group's ranks {out.global_ranks} are not in the order of the process group's "

@@ -29,7 +29,7 @@ _TABLE: dict[str, tuple[int, str]] = {
     "checksum_block_bytes": (1 * _MiB, "saves: each chunk gets one XXH3-64 digest per block of this many bytes (a multiple of 16), so a load that reads part of a chunk verifies only the blocks it touches"),
     "read_block_bytes": (32 * _MiB, "in-place reads larger than this are split into blocks read concurrently while the checksum runs (bytes)"),
     "async_max_in_flight": (1, "async saves: how many may be in flight at once; the next one first waits for the oldest to commit (each in flight holds its own staging buffer)"),
-    "async_staging_bytes": (32 << 30, "async saves: the most host memory one save stages into (bytes); a rank whose state is larger stages in parts, and async_save returns once the last part is copied"),
+    "async_staging_bytes": (32 << 30, "async saves: the most host memory one save stages into (bytes; at least two checksum blocks are used); a rank whose state is larger stages in parts, and async_save returns once the last part is copied"),
     "collective_timeout_s": (600, "collective calls (save, load, unshard): how long the ranks that called wait for the others to call too before raising MissingRanksError (seconds)"),
 }
 

@@ -30,13 +30,22 @@ def is_json_value(v: Any, _depth: int = 0) -> bool:
     return False
 
 
+def _copy_json(v: Any) -> Any:
+    t = type(v)
+    if t is list:
+        return [_copy_json(x) for x in v]
+    if t is dict:
+        return {k: _copy_json(x) for k, x in v.items()}
+    return v  # None, bool, int, float, str: immutable
+
+
 def encode_objects(objects: dict[str, Any], *, allow_pickle: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """Split values into JSON ones and (if allowed) pickled ones, base64-encoded."""
     as_json: dict[str, Any] = {}
     pickled: dict[str, str] = {}
     for key, v in objects.items():
         if is_json_value(v):
-            as_json[key] = v
+            as_json[key] = _copy_json(v)  # a snapshot: the caller may change its lists and dicts once a save returns
         elif allow_pickle:
             pickled[key] = base64.b64encode(pickle.dumps(v)).decode()
         else:

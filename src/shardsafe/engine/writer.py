@@ -75,7 +75,8 @@ def async_save_state(
     items = p.mine.items
     total = sum(-(-(it.byte_range[1] - it.byte_range[0]) // 64) * 64 for it in items)
     pinned = any(p.local[it.key].views[it.piece_index].device.type == "cuda" for it in items)
-    ring = RINGS.acquire(min(total, knobs.async_staging_bytes), pinned=pinned)
+    # at least two checksum blocks, whatever the budget: a unit is whole blocks (but the last of an item)
+    ring = RINGS.acquire(min(total, max(knobs.async_staging_bytes, 2 * knobs.checksum_block_bytes)), pinned=pinned)
     block = _unit_bytes(knobs, ring.capacity)
     units = UnitQueue()
     ring.on_wait = units.start  # the buffer is full: the writer must run for the staging to go on
