@@ -122,6 +122,7 @@ class CheckpointManager:
         self._signal = save_on_signal
         self._signals = 0  # signals received by this process (counted by the handler)
         self._signals_seen = 0  # how many of them a should_save has taken into account
+        self._flag = torch.zeros(1, dtype=torch.int32)  # the one int should_save all-reduces
         self._requested = False  # a signal asked for a save that has not been made yet (the same on every rank)
         self.signal_received = False
         """True on every rank once :meth:`should_save` has seen a ``save_on_signal`` signal on any rank."""
@@ -146,14 +147,14 @@ class CheckpointManager:
         and it is a multiple of ``save_interval`` or a ``save_on_signal`` signal reached any rank.
 
         Without ``save_on_signal`` it runs no collective; with it, every rank calls it together
-        and it runs one (an all-gather of one flag)."""
+        and it runs one (an all-reduce of one int: a few hundred microseconds on gloo)."""
         self._check_open("should_save")
         _check_step("CheckpointManager.should_save", step)
         if self._signal is not None:
             seen = self._signals  # read once: a signal arriving now counts at the next call
             mine = seen > self._signals_seen
             self._signals_seen = seen
-            if any(self._comm.all_gather(lambda: mine)):
+            if _any_rank(self._comm, mine, self._flag):
                 self._requested = True
                 self.signal_received = True
         taken = step in self._steps or (self._inflight is not None and self._inflight[0] == step)
@@ -418,6 +419,22 @@ class CheckpointManager:
             self._previous_handler = None
 
 
+def _any_rank(comm: Comm, flag: bool, buf: torch.Tensor) -> bool:
+    """Whether ``flag`` is true on any rank of ``comm``: one all-reduce (MAX) of one int over the
+    group's CPU transport, with ``Comm``'s error translation and release wait. (It belongs in
+    ``shardsafe.dist.Comm``, the only caller of ``torch.distributed``; it is here while that
+    module is being reworked. ``Comm.all_gather`` would take two collectives and pickling.)"""
+    if not comm.distributed:
+        return flag
+    import torch.distributed as dist
+
+    buf.fill_(int(flag))
+    group = comm._cpu_group()
+    comm._count("all_reduce")
+    comm._run("all_reduce", lambda: dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True), [buf])
+    return bool(buf.item())
+
+
 def _open_root(root: Location) -> Directory:
     storage = open_storage(root)
     if not isinstance(storage, Directory):
@@ -429,10 +446,10 @@ def _open_root(root: Location) -> Directory:
 
 
 def _check_positive(func: str, name: str, value: Any) -> None:
-    if value is None:
-        return
-    check_arg(func, name, value, int)
-    if isinstance(value, bool) or value < 1:
+    check_arg(func, name, value, int, optional=True)
+    if isinstance(value, bool):
+        raise TypeError(f"{func}: argument {name!r} must be an int or None, got bool {value!r}")
+    if value is not None and value < 1:
         raise CheckpointError(f"{func}: {name} must be a positive integer or None, got {value!r}")
 
 

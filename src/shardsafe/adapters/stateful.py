@@ -91,7 +91,7 @@ def encode_state(value: Any, where: str) -> tuple[Any, list[torch.Tensor]]:
         if isinstance(v, np.generic) and not v.dtype.hasobject:
             return {"$numpy": [v.dtype.str, enc(v.item(), path, depth + 1)]}
         raise CheckpointError(
-            f"{path}: a value of type {t.__module__}.{t.__qualname__} cannot be stored; the state of an extra object may "
+            f"{path}: a value of type {f'{t.__module__}.{t.__qualname__}'.removeprefix('builtins.')} cannot be stored; the state of an extra object may "
             "hold None, bool, int, float, str, list, tuple, dict, tensors and NumPy arrays and scalars (nothing is "
             "pickled): convert it in state_dict() and back in load_state_dict()"
         )
