@@ -11,6 +11,7 @@ import random
 import shutil
 import signal
 import sys
+import uuid
 
 import numpy as np
 import pytest
@@ -451,3 +452,45 @@ def test_s3_root(s3) -> None:
     full = run_ranks(1, _s3_run, c.url(), c.env, range(1, 9), False)
     assert again[0][3] == full[0][3]
     assert shardsafe.unshard_model_state(root.child("step_00000008"), no_dist=True)["0.weight"].tolist() == again[0][3][0]
+
+
+def test_memory_root_and_a_storage_without_directories() -> None:
+    model = torch.nn.Linear(2, 2)
+    url = f"memory://manager-{uuid.uuid4().hex}"
+    with CheckpointManager(url, keep_last=1, save_interval=1) as mgr:
+        for step in range(3):
+            mgr.save(step, model)
+    assert open_storage(url).list_dirs() == ["step_00000002"]
+    with CheckpointManager(url) as again:
+        assert again.all_steps() == [2]
+
+    class Flat:  # a Storage with no sub-directories to list
+        url = "flat://x"
+
+        def __getattr__(self, name):
+            if name in ("write_file", "put_atomic", "read_into", "read", "list", "delete", "close"):
+                return lambda *a, **k: None
+            raise AttributeError(name)
+
+    with pytest.raises(TypeError, match=r"argument 'root' must be a path, a URL or a storage that lists sub-directories"):
+        CheckpointManager(Flat())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_model_and_cuda_rng_restore(tmp_path) -> None:
+    torch.cuda.manual_seed_all(3)
+    model = torch.nn.Linear(8, 8).cuda()
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    optim.step()
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, model, optim, extra={"rng": RNGState()}, force=True)
+    want = torch.rand(5, device="cuda").cpu()
+    torch.cuda.manual_seed_all(99)
+    model2 = torch.nn.Linear(8, 8).cuda()
+    optim2 = torch.optim.AdamW(model2.parameters())
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(model=model2, optim=optim2, extra={"rng": RNGState()}) == 1
+    assert torch.equal(torch.rand(5, device="cuda").cpu(), want)
+    assert model2.weight.is_cuda and torch.equal(model2.weight, model.weight)
