@@ -24,6 +24,7 @@ from shardsafe import (
     CheckpointManager,
     IncompleteCheckpointError,
     MissingKeyError,
+    RankMismatchError,
     RNGState,
     StorageError,
 )
@@ -406,10 +407,15 @@ def _no_signal_run(rank, ws, root):
     with CheckpointManager(root, save_interval=2) as mgr:
         before = collective_counts()
         due = [mgr.should_save(s) for s in range(5)]
-        return due, collective_counts() == before
+        local = collective_counts() == before
+        with pytest.raises(RankMismatchError, match=r"CheckpointManager.save: step 1: every rank must pass the same extra names \(rank 0: \['a'\]; rank 1: \[\]\)"):
+            mgr.save(1, extra={"a": PerRank(rank)} if rank == 0 else None, force=True)
+        assert mgr.save(1, extra={"a": PerRank(rank)}, force=True) and mgr.all_steps() == []
+        return due, local
 
 
 def test_without_save_on_signal_should_save_runs_no_collective(tmp_path) -> None:
+    """(And ranks passing different extra names are refused on every rank.)"""
     assert run_ranks(2, _no_signal_run, str(tmp_path)) == [([True, False, True, False, True], True)] * 2
 
 

@@ -38,7 +38,7 @@ from .api import _load_state, model_and_optim_values
 from .checkpointer import Checkpointer
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
-from .errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
+from .errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError, RankMismatchError
 from .format.metadata import METADATA_FILENAME, StorageMetadata
 from .knobs import Knobs
 from .storage import Directory, Location, open_storage
@@ -201,14 +201,22 @@ class CheckpointManager:
                 "another step, or delete that directory first"
             )
         comm = self._call_comm()
+        built: dict[str, Any] = {}
 
-        def build() -> dict[str, Any]:
-            state = model_and_optim_values(model, optim) if model is not None else {}
-            state.update(extra_values(extra, self._comm.rank))
-            state[RECORD_KEY] = {"step": step, "world_size": self._comm.world_size, "extra": sorted(extra)}
-            return state
+        def build() -> list[str]:
+            built.update(model_and_optim_values(model, optim) if model is not None else {})
+            built.update(extra_values(extra, comm.rank))
+            built[RECORD_KEY] = {"step": step, "world_size": comm.world_size, "extra": sorted(extra)}
+            return sorted(extra)
 
-        state = comm.check(build)  # an object that cannot be stored fails every rank here, at once
+        # one collective: an object that cannot be stored fails every rank here, at once, and
+        # ranks that pass different extra names are told so
+        names = comm.all_gather(build)
+        comm.raise_failures(names)
+        if any(n != names[0] for n in names):
+            detail = "; ".join(f"rank {comm.global_ranks[r]}: {n}" for r, n in enumerate(names))
+            raise RankMismatchError(f"{func}: step {step}: every rank must pass the same extra names ({detail})")
+        state = built
         handle = self._ckpt.async_save(self._root.child(step_dir_name(step)), state, process_group=self._group)
         self._inflight = (step, handle)
         self._requested = False
