@@ -147,7 +147,7 @@ class CheckpointManager:
         and it is a multiple of ``save_interval`` or a ``save_on_signal`` signal reached any rank.
 
         Without ``save_on_signal`` it runs no collective; with it, every rank calls it together
-        and it runs one (an all-reduce of one int: a few hundred microseconds on gloo)."""
+        and it runs one (an all-reduce of one int; see the README for what it costs)."""
         self._check_open("should_save")
         _check_step("CheckpointManager.should_save", step)
         if self._signal is not None:
