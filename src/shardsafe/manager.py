@@ -77,7 +77,9 @@ class CheckpointManager:
     - ``async_save``: :meth:`save` returns once the state is staged and the checkpoint is
       written and committed in the background (else it returns once committed).
     - ``save_on_signal``: a signal (``signal.SIGTERM``) whose arrival on any rank makes
-      :meth:`should_save` true on every rank at its next call.
+      :meth:`should_save` true on every rank at its next call. The manager's handler only
+      counts it: the process goes on, and the handler that was there before is not called;
+      :meth:`close` puts it back. Needs the main thread.
     - ``process_group``: the ranks that take part (default: all); ``knobs``: tunables.
 
     Creating the manager is collective: the first rank removes the directories of steps that
@@ -104,6 +106,8 @@ class CheckpointManager:
         check_bool(func, "async_save", async_save)
         if save_on_signal is not None and not (isinstance(save_on_signal, int) and not isinstance(save_on_signal, bool)):
             raise TypeError(f"{func}: argument 'save_on_signal' must be a signal number (signal.SIGTERM) or None, got {save_on_signal!r}")
+        if save_on_signal is not None and threading.current_thread() is not threading.main_thread():
+            raise CheckpointError(f"{func}: save_on_signal needs the manager to be created in the main thread (Python runs signal handlers there)")
         check_arg(func, "knobs", knobs, Knobs, optional=True)
         self.keep_last, self.keep_every, self.save_interval = keep_last, keep_every, save_interval
         self._async = async_save
