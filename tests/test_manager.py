@@ -118,6 +118,17 @@ def test_steps_latest_retention_and_what_is_on_disk(tmp_path) -> None:
     again.close()
 
 
+def test_retention_keeps_the_newest_and_the_step_just_saved(tmp_path) -> None:
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
+        mgr.save(10, model, force=True)
+        mgr.save(5, model, force=True)  # an older step number: kept beside the newest until a newer commit
+        assert mgr.all_steps() == [5, 10]
+        mgr.save(11, model, force=True)
+        assert mgr.all_steps() == [11]
+    assert os.listdir(tmp_path) == ["step_00000011"]
+
+
 def test_should_save_and_existing_steps(tmp_path) -> None:
     model, optim, sched, pos = _setup()
     mgr = CheckpointManager(tmp_path, save_interval=5, async_save=False)
