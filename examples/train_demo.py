@@ -1,15 +1,19 @@
 """The main demo (``make demo``): FSDP2 training that crashes, resumes resharded, and exports.
 
-1. ``torchrun`` on 2 CPU processes trains the Llama-style model of ``tiny_llama.py`` with FSDP2,
-   checkpointing model + AdamW state every few steps, and dies abruptly a few steps after a
-   checkpoint (``os._exit``), as a crashed job would.
-2. The job resumes from the newest committed checkpoint on 1 process, continues, crashes again.
-3. It resumes from the newest checkpoint on 4 processes and finishes.
+1. ``torchrun`` on 2 CPU processes trains the Llama-style model of ``tiny_llama.py`` with FSDP2
+   under a ``shardsafe.CheckpointManager``: every few steps one asynchronous checkpoint of the
+   model, the AdamW state, the LR scheduler, the data position and the RNG state (which picks
+   each step's batch), keeping the last two; then it dies abruptly (``os._exit``), as a crashed
+   job would.
+2. The job resumes on 1 process by ``restore()`` alone (the newest committed step, whatever
+   world size wrote it), continues, crashes again.
+3. It resumes the same way on 4 processes and finishes.
 4. The final checkpoint is unsharded into one ``model.safetensors``, which plain ``safetensors``
    loads into an unwrapped model that gives the last run's loss.
 
-Every resume re-runs steps that the crashed run had already done: their losses must match, and
-the table shows both. Run ``python examples/train_demo.py [--workdir DIR]``.
+Every resume re-runs steps that the crashed run had already done: their losses must match (the
+batches come from the restored RNG, the learning rate from the restored scheduler), and the
+table shows both. Run ``python examples/train_demo.py [--workdir DIR]``.
 """
 
 from __future__ import annotations
@@ -38,15 +42,27 @@ def _cfg():
 
 
 def latest_checkpoint(root: str) -> tuple[int, str] | None:
-    """The newest committed checkpoint under ``root``: a step directory with a metadata.json.
-    A directory a crash left without one is not a checkpoint and is skipped."""
-    best = None
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        if name.startswith("step") and os.path.exists(os.path.join(root, name, "metadata.json")):
-            step = int(name[4:])
-            if best is None or step > best[0]:
-                best = (step, os.path.join(root, name))
-    return best
+    """The newest committed step under ``root`` and its directory (for the table and the export;
+    the training processes only call ``restore()``)."""
+    import shardsafe
+    from shardsafe.manager import step_dir_name
+
+    with shardsafe.CheckpointManager(root) as mgr:
+        step = mgr.latest_step()
+    return None if step is None else (step, os.path.join(root, step_dir_name(step)))
+
+
+class DataPosition:
+    """Where the data stream is: the next step to train (a stateful data loader would sit here)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
 
 
 def worker(root: str, last_step: int, crash: bool, log_path: str) -> None:
@@ -55,38 +71,41 @@ def worker(root: str, last_step: int, crash: bool, log_path: str) -> None:
     from tiny_llama import Transformer, make_optimizer, parallelize, train
 
     import shardsafe
+    from shardsafe.manager import step_dir_name
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, ws = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    torch.manual_seed(0)  # the same on every rank: each step's batch is drawn from it
     cfg = _cfg()
-    model = parallelize(Transformer(cfg, seed=0), "fsdp2", ws)
+    model = parallelize(Transformer(cfg, seed=0), "fsdp2", dist.get_world_size())
     optim = make_optimizer(model, "adamw")
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 8) * 0.97 ** s)  # warm-up, decay
+    data = DataPosition()
+    extra = {"sched": sched, "data": data, "rng": shardsafe.RNGState()}
     events = []
-    start = 0
-    found = latest_checkpoint(root)
-    if found is not None:
-        start, path = found
-        dist.barrier()
+    mgr = shardsafe.CheckpointManager(root, save_interval=EVERY, keep_last=2)  # async saves by default
+    t0 = time.perf_counter()
+    restored = mgr.restore(model=model, optim=optim, extra=extra)  # the newest committed step, or None
+    if restored is not None:
+        took = time.perf_counter() - t0
+        events.append({"event": "load", "step": restored, "s": took, "bytes": _size(os.path.join(root, step_dir_name(restored)))})
+    while data.step < last_step:
+        step = data.step
+        batch_id = int(torch.randint(0, 1 << 20, ()))  # the data order comes from the RNG
+        (loss,) = train(model, optim, cfg, range(batch_id, batch_id + 1), "fsdp2", global_batch=GLOBAL_BATCH, seq_len=SEQ)
+        sched.step()
+        data.step += 1
+        events.append({"event": "loss", "step": step, "loss": loss, "batch": batch_id})
         t0 = time.perf_counter()
-        shardsafe.load_model_and_optim_state(path, model, optim)
-        dist.barrier()
-        events.append({"event": "load", "step": start, "s": time.perf_counter() - t0, "bytes": _size(path)})
-    for step in range(start, last_step):
-        (loss,) = train(model, optim, cfg, range(step, step + 1), "fsdp2", global_batch=GLOBAL_BATCH, seq_len=SEQ)
-        events.append({"event": "loss", "step": step, "loss": loss})
-        if (step + 1) % EVERY == 0:
-            path = os.path.join(root, f"step{step + 1:06d}")
-            dist.barrier()
-            t0 = time.perf_counter()
-            shardsafe.save_model_and_optim_state(path, model, optim)
-            dist.barrier()
-            events.append({"event": "save", "step": step + 1, "s": time.perf_counter() - t0, "bytes": _size(path)})
+        if mgr.save(data.step, model, optim, extra=extra):  # returns once staged; commits in the background
+            events.append({"event": "save", "step": data.step, "s": time.perf_counter() - t0})
         if rank == 0:
             with open(log_path, "w") as f:
                 json.dump(events, f)
     if crash:
-        os._exit(17)  # no cleanup, no barrier: as if the node died
+        os._exit(17)  # no cleanup, no barrier, a save perhaps in flight: as if the node died
+    mgr.close()  # waits for the last commit
     dist.barrier()
     dist.destroy_process_group()
 
@@ -110,7 +129,7 @@ def _torchrun(nproc: int, args: list[str]) -> int:
     return subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True).returncode
 
 
-def export_and_check(root: str, final_loss_step: int, final_loss: float) -> dict:
+def export_and_check(root: str, final_batch: int, final_loss: float) -> dict:
     """Unshard the last checkpoint to one safetensors file; load it with plain safetensors."""
     import torch
     from safetensors.torch import load_file
@@ -127,7 +146,7 @@ def export_and_check(root: str, final_loss_step: int, final_loss: float) -> dict
     model.load_state_dict(load_file(out), strict=True)
     # the loss of the last trained step, recomputed from the exported weights, is lower than the
     # last run's loss at that step (which was taken before that step's update)
-    x, y = batch(_cfg(), final_loss_step, batch_size=GLOBAL_BATCH, seq_len=SEQ)
+    x, y = batch(_cfg(), final_batch, batch_size=GLOBAL_BATCH, seq_len=SEQ)
     with torch.no_grad():
         loss = loss_fn(model(x), y).item()
     return {"step": step, "file": out, "bytes": os.path.getsize(out), "tensors": counts["tensors"], "s": took, "loss": loss, "before": final_loss}
@@ -159,11 +178,11 @@ def main() -> int:
             print(f"run {i} exited with {rc}, expected {'a crash' if crash else 0}", file=sys.stderr)
             return 1
         with open(log) as f:
-            runs.append((nproc, found[0] if found else 0, json.load(f)))
+            runs.append((nproc, found[0] if found else 0, json.load(f), _size(latest_checkpoint(root)[1])))
 
     rows = []
     worst = 0.0
-    for i, (nproc, start, events) in enumerate(runs):
+    for i, (nproc, start, events, ckpt_bytes) in enumerate(runs):
         losses = {e["step"]: e["loss"] for e in events if e["event"] == "loss"}
         load = next((e for e in events if e["event"] == "load"), None)
         saves = [e for e in events if e["event"] == "save"]
@@ -172,7 +191,7 @@ def main() -> int:
         diff = max((abs(losses[s] - before[s]) for s in again), default=0.0)
         worst = max(worst, diff)
         save_s = sum(e["s"] for e in saves) / max(len(saves), 1)
-        save_b = saves[-1]["bytes"] if saves else 0
+        save_b = ckpt_bytes
         rows.append([
             f"{i}", f"{nproc}", f"{start}", f"{min(losses)}-{max(losses)}",
             f"{losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}",
@@ -182,10 +201,10 @@ def main() -> int:
             f"{save_s:.2f} s, {save_b / save_s / 1e9:.2f} GB/s" if saves else "-",
             f"{load['s']:.2f} s, {load['bytes'] / load['s'] / 1e9:.2f} GB/s" if load else "-",
         ])
-    last_losses = {e["step"]: e["loss"] for e in runs[-1][2] if e["event"] == "loss"}
+    last_losses = {e["step"]: e for e in runs[-1][2] if e["event"] == "loss"}
     final_step = max(last_losses)
-    export = export_and_check(root, final_step, last_losses[final_step])
-    head = ["run", "procs", "resumed from", "steps", "loss first -> last", "loss before -> after resume", "max |dloss| redone steps", "checkpoint", "save (mean)", "load"]
+    export = export_and_check(root, last_losses[final_step]["batch"], last_losses[final_step]["loss"])
+    head = ["run", "procs", "resumed from", "steps", "loss first -> last", "loss before -> after resume", "max |dloss| redone steps", "checkpoint", "save: blocked (mean)", "load"]
     widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]
     print()
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")

@@ -27,6 +27,8 @@ from .errors import (
     StorageError,
 )
 from .format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
+from .manager import CheckpointManager
+from .rng import RNGState
 from .verify import VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -35,6 +37,7 @@ __all__ = [
     "AsyncSave",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "Checkpointer",
     "CollectiveError",
     "CorruptCheckpointError",
@@ -43,6 +46,7 @@ __all__ = [
     "MissingKeyError",
     "MissingRanksError",
     "PickleNotAllowedError",
+    "RNGState",
     "RankMismatchError",
     "ShapeMismatchError",
     "ShardedTensor",

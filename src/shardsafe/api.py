@@ -8,6 +8,7 @@ tensor parallel or a plain module, at any world size. No state_dict_type to set,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,8 +21,9 @@ from .checkpointer import Checkpointer, _read_metadata
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
 from .errors import CheckpointError, MissingKeyError
+from .format.metadata import StorageMetadata
 from .knobs import Knobs
-from .storage import Location, open_storage
+from .storage import Location, Storage, open_storage
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -125,23 +127,52 @@ def load_model_and_optim_state(
     ckpt = Checkpointer(knobs=knobs)
     storage = open_storage(dir)
     comm = get_comm(process_group=process_group, call="shardsafe.load_model_and_optim_state", timeout_s=ckpt.knobs.collective_timeout_s)
+    _load_state(ckpt, storage, comm, model, optim, validate=validate)
+
+
+def _load_state(
+    ckpt: Checkpointer,
+    storage: Storage,
+    comm: Comm,
+    model: nn.Module | None,
+    optim: torch.optim.Optimizer | None,
+    *,
+    validate: bool,
+    more_targets: Callable[[StorageMetadata], dict[str, Any]] | None = None,
+    more_apply: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """Load ``model`` and ``optim`` (either may be None; ``optim`` only with its ``model``) in
+    place and, in the same pass, the targets ``more_targets(metadata)`` returns; then hand the
+    optimizer its state and call ``more_apply`` with every loaded value. Every rank of ``comm``
+    calls it together; a failure on any rank (in the callbacks too) raises on every rank."""
     meta = _read_metadata(storage, comm)
-    params, buffers = model_state(model)
+    params, buffers = model_state(model) if model is not None else ([], [])
     holder: dict[str, Any] = {}
 
     def targets() -> None:
-        _check_model_keys(meta.tensors, [i.fqn for i in [*params, *buffers]], storage.url, strict=validate)
-        state = _model_values(params, buffers)
+        state: dict[str, Any] = {}
+        if model is not None:
+            _check_model_keys(meta.tensors, [i.fqn for i in [*params, *buffers]], storage.url, strict=validate)
+            state = _model_values(params, buffers)
         if optim is not None:
             opt_targets, holder["apply"] = optim_targets(optim, params, meta, storage.url, strict=validate)
             state.update(opt_targets)
+        if more_targets is not None:
+            state.update(more_targets(meta))
         holder["state"] = state
 
     comm.check(targets)
     state = holder["state"]
     ckpt._load(storage, state, comm, meta)  # the storage already opened: one client, not two
-    if optim is not None:
-        comm.check(lambda: holder["apply"](state))
+
+    def apply() -> None:
+        if optim is not None:
+            holder["apply"](state)
+        if more_apply is not None:
+            more_apply(state)
+
+    if optim is not None or more_apply is not None:
+        comm.check(apply)
 
 
 def _check_model_args(func: str, model: Any, optim: Any, knobs: Any) -> None:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 import re
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import StorageError
 
-__all__ = ["Location", "Storage", "Writer", "check_local_path", "check_name", "open_storage", "url_scheme"]
+__all__ = ["Directory", "Location", "Storage", "Writer", "check_local_path", "check_name", "open_storage", "url_scheme"]
 
 
 class Writer(Protocol):
@@ -67,6 +67,23 @@ class Storage(Protocol):
 
     def close(self) -> None:
         """Release open handles; the storage may be used again afterwards."""
+
+
+@runtime_checkable
+class Directory(Storage, Protocol):
+    """A storage whose root holds checkpoints in sub-directories (object-store prefixes), as
+    ``shardsafe.CheckpointManager`` keeps its steps. Every backend of this package is one."""
+
+    def list_dirs(self) -> list[str]:
+        """Names of the sub-directories directly under the root (empty if the root does not exist)."""
+
+    def child(self, name: str) -> Storage:
+        """The storage of sub-directory ``name`` (a plain name), opened with this one's options."""
+
+    def remove_dir(self, name: str) -> None:
+        """Remove sub-directory ``name`` once its files are deleted (an object store has no
+        directories: nothing to do); a missing one is not an error, one still holding files is a
+        ``StorageError`` naming them."""
 
 
 _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)", re.DOTALL)  # fullmatch: a trailing newline is part of the path

@@ -82,6 +82,7 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 class LocalStorage:
     def __init__(self, root: str, *, knobs: Knobs | None = None) -> None:
+        self._knobs = knobs
         self._writeback = (knobs or KNOBS).writeback_bytes
         self.root = os.path.abspath(root)
         self.url = self.root
@@ -279,6 +280,31 @@ class LocalStorage:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+    # --- a root of several checkpoints (see base.Directory) ---------------------------------------
+
+    def list_dirs(self) -> list[str]:
+        try:  # a symbolic link is not followed: removing "its" files would remove the target's
+            return sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            raise StorageError(f"{self.root}: not a directory") from None
+        except OSError as e:
+            raise StorageError(f"{self.root}: cannot list: {e.strerror}") from e
+
+    def child(self, name: str) -> LocalStorage:
+        return LocalStorage(self._path(name), knobs=self._knobs)
+
+    def remove_dir(self, name: str) -> None:
+        path = self._path(name)
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            left = sorted(os.listdir(path)) if e.errno == errno.ENOTEMPTY else []
+            raise StorageError(f"{path}: cannot remove the directory: {e.strerror}" + (f" (it still holds {left[:5]})" if left else "")) from e
 
 
 def _read_all(fd: int) -> bytes:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, StorageError
 from .base import check_name
 
 __all__ = ["MemoryStorage"]
@@ -101,3 +101,22 @@ class MemoryStorage:
 
     def close(self) -> None:
         pass
+
+    # --- a root of several checkpoints (see base.Directory) ---------------------------------------
+
+    def list_dirs(self) -> list[str]:
+        base = self.url + "/"
+        with _LOCK:
+            names = {u[len(base) :].split("/", 1)[0] for u, files in _STORES.items() if u.startswith(base) and files}
+        return sorted(names)
+
+    def child(self, name: str) -> MemoryStorage:
+        return MemoryStorage(f"{self.url}/{check_name(name)}")
+
+    def remove_dir(self, name: str) -> None:
+        url = f"{self.url}/{check_name(name)}"
+        with _LOCK:
+            if _STORES.get(url):
+                raise StorageError(f"{url}: cannot remove the directory: it still holds {sorted(_STORES[url])[:5]}")
+            _STORES.pop(url, None)
+            _VERSIONS.pop(url, None)

@@ -81,6 +81,7 @@ class ObjectStorage:
     """
 
     def __init__(self, url: str, options: ObjectStoreOptions | None = None, *, knobs: Knobs | None = None) -> None:
+        self._knobs = knobs
         knobs = knobs or KNOBS
         self.options = options or ObjectStoreOptions()
         self.location = parse_object_url(url)
@@ -303,6 +304,24 @@ class ObjectStorage:
         except Exception as e:
             if not _is_missing_object(e):
                 raise self._error(e, name, "delete failed") from e
+
+    # --- a root of several checkpoints (see base.Directory) ---------------------------------------
+
+    def list_dirs(self) -> list[str]:
+        _check_fork(self.url)
+        import obstore
+
+        try:
+            found = obstore.list_with_delimiter(self._store)
+        except Exception as e:
+            raise self._error(e, None, "list failed") from e
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"])
+
+    def child(self, name: str) -> ObjectStorage:
+        return ObjectStorage(f"{self.url}/{check_name(name)}", self.options, knobs=self._knobs)
+
+    def remove_dir(self, name: str) -> None:
+        check_name(name)  # a prefix exists only while objects are under it: nothing to remove
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,485 @@
+"""``CheckpointManager``: step directories, "latest", retention, resume and preemption saves in one
+place, on top of ``Checkpointer.async_save``.
+
+Layout under ``root`` (a local path or an object-store URL)::
+
+    root/step_00001000/metadata.json    <- a step is committed iff its metadata.json exists
+    root/step_00001000/*.safetensors
+    root/step_00002000/...
+
+Each step is one checkpoint with one commit: the model (``model.*``), the optimizer
+(``optim.*``), every ``extra`` object (``extra.<name>.rank<r>...``, see
+:mod:`shardsafe.adapters.stateful`) and a small record (``manager``: step, world size, extra
+names). ``load_model_and_optim_state`` and ``unshard_model_state`` read a step directory as
+they read any checkpoint.
+
+Call order: every rank of the process group creates the manager and calls each method
+together, in the same order (``latest_step``, ``all_steps`` and ``signal_received`` are local
+and may be called anywhere). The group's first rank lists, cleans and deletes; the others learn
+its results through one broadcast at start and then keep the same list by the same rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal as signal_module
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ._args import check_arg, check_bool
+from .adapters.stateful import ExtraRestore, check_extra, extra_targets, extra_values
+from .api import _load_state, model_and_optim_values
+from .checkpointer import Checkpointer
+from .dist import Comm, get_comm
+from .engine.background import AsyncSave
+from .errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError, RankMismatchError
+from .format.metadata import METADATA_FILENAME, StorageMetadata
+from .knobs import Knobs
+from .storage import Directory, Location, open_storage
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["CheckpointManager", "step_dir_name"]
+
+log = logging.getLogger(__name__)
+
+RECORD_KEY = "manager"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+
+
+def step_dir_name(step: int) -> str:
+    """The directory of ``step``: ``step_`` and the step in at least 8 digits (``step_00001000``)."""
+    return f"step_{step:08d}"
+
+
+def _parse_step(name: str) -> int | None:
+    m = _STEP_DIR.fullmatch(name)
+    if m is None or step_dir_name(int(m.group(1))) != name:  # only the canonical spelling is ours
+        return None
+    return int(m.group(1))
+
+
+class CheckpointManager:
+    """Saves and restores the training state of one run, one step directory per checkpoint.
+
+    - ``root``: a local path, a ``file://`` or object-store URL (``s3://bucket/prefix``...), or a
+      storage opened with :func:`shardsafe.storage.open_storage` (for explicit options).
+    - ``keep_last``: keep only the newest ``keep_last`` committed steps (default: keep all);
+      ``keep_every``: besides those, keep every step that is a multiple of it.
+    - ``save_interval``: :meth:`should_save` is true for steps that are multiples of it.
+    - ``async_save``: :meth:`save` returns once the state is staged and the checkpoint is
+      written and committed in the background (else it returns once committed).
+    - ``save_on_signal``: a signal (``signal.SIGTERM``) whose arrival on any rank makes
+      :meth:`should_save` true on every rank at its next call. The manager's handler only
+      counts it: the process goes on, and the handler that was there before is not called;
+      :meth:`close` puts it back. Needs the main thread.
+    - ``process_group``: the ranks that take part (default: all); ``knobs``: tunables.
+
+    Creating the manager is collective: the first rank removes the directories of steps that
+    never committed (names of the form ``step_<digits>`` without ``metadata.json``: left by a
+    crash), then every rank learns the committed steps. **One job at a time per root**: a second
+    job's manager would remove the first one's step in progress.
+    """
+
+    def __init__(
+        self,
+        root: Location,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        save_interval: int | None = None,
+        async_save: bool = True,
+        save_on_signal: int | None = None,
+        process_group: ProcessGroup | None = None,
+        knobs: Knobs | None = None,
+    ) -> None:
+        func = "CheckpointManager"
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every), ("save_interval", save_interval)):
+            _check_positive(func, name, value)
+        check_bool(func, "async_save", async_save)
+        if save_on_signal is not None and not (isinstance(save_on_signal, int) and not isinstance(save_on_signal, bool)):
+            raise TypeError(f"{func}: argument 'save_on_signal' must be a signal number (signal.SIGTERM) or None, got {save_on_signal!r}")
+        if save_on_signal is not None and threading.current_thread() is not threading.main_thread():
+            raise CheckpointError(f"{func}: save_on_signal needs the manager to be created in the main thread (Python runs signal handlers there)")
+        check_arg(func, "knobs", knobs, Knobs, optional=True)
+        self.keep_last, self.keep_every, self.save_interval = keep_last, keep_every, save_interval
+        self._async = async_save
+        self._group = process_group
+        self._ckpt = Checkpointer(knobs=knobs)
+        self._root = _open_root(root)
+        self.root = self._root.url
+        self._comm = get_comm(process_group=process_group, call="shardsafe.CheckpointManager", timeout_s=self._ckpt.knobs.collective_timeout_s)
+        # the first rank cleans up and lists; the broadcast is also the barrier that keeps the others from racing it
+        self._steps: list[int] = self._comm.broadcast(self._scan)
+        self._inflight: tuple[int, AsyncSave[Any]] | None = None
+        self._reading: set[int] = set()  # steps a restore of this process is reading: retention keeps them
+        self._lock = threading.Lock()
+        self._decided: tuple[int, bool] | None = None  # the last should_save answer, reused by save() at that step
+        self._closed = False
+        self._signal = save_on_signal
+        self._signals = 0  # signals received by this process (counted by the handler)
+        self._signals_seen = 0  # how many of them a should_save has taken into account
+        self._flag = torch.zeros(1, dtype=torch.int32)  # the one int should_save all-reduces
+        self._requested = False  # a signal asked for a save that has not been made yet (the same on every rank)
+        self.signal_received = False
+        """True on every rank once :meth:`should_save` has seen a ``save_on_signal`` signal on any rank."""
+        self._previous_handler: Any = None
+        if save_on_signal is not None:
+            self._install_handler(save_on_signal)
+
+    # --- queries (local) ---------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """The committed steps, oldest first: those found when the manager started and those it
+        committed since, less those it deleted. A save still in flight is not among them until
+        a call that waits for it (``save``, ``restore``, ``wait_until_finished``, ``close``)."""
+        return list(self._steps)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (see :meth:`all_steps`), or None."""
+        return self._steps[-1] if self._steps else None
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` at ``step`` saves: the step is neither committed nor in flight,
+        and it is a multiple of ``save_interval`` or a ``save_on_signal`` signal reached any rank.
+
+        Without ``save_on_signal`` it runs no collective; with it, every rank calls it together
+        and it runs one (an all-reduce of one int; see the README for what it costs)."""
+        self._check_open("should_save")
+        _check_step("CheckpointManager.should_save", step)
+        if self._signal is not None:
+            seen = self._signals  # read once: a signal arriving now counts at the next call
+            mine = seen > self._signals_seen
+            self._signals_seen = seen
+            if _any_rank(self._comm, mine, self._flag):
+                self._requested = True
+                self.signal_received = True
+        taken = step in self._steps or (self._inflight is not None and self._inflight[0] == step)
+        due = self._requested or (self.save_interval is not None and step % self.save_interval == 0)
+        self._decided = (step, due and not taken)
+        return self._decided[1]
+
+    # --- save ---------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module | None = None,
+        optim: torch.optim.Optimizer | None = None,
+        extra: dict[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Save ``model``, ``optim`` and every ``extra`` object as step ``step``, one checkpoint
+        with one commit, if :meth:`should_save` says so or ``force``; returns whether it saved.
+
+        First waits for the previous save to commit (raising its error, if it failed, on every
+        rank) and applies the retention policy. With ``async_save`` it returns once the state
+        is staged: training may then change every tensor and every extra object. ``extra``
+        maps names to objects with ``state_dict()`` / ``load_state_dict()`` (an LR scheduler, a
+        stateful data loader, :class:`~shardsafe.RNGState`); each rank's state is stored under
+        its own keys. ``force`` on a step that is already committed raises
+        ``CheckpointExistsError``: steps are never replaced.
+        """
+        func = "CheckpointManager.save"
+        self._check_open("save")
+        _check_step(func, step)
+        _check_model(func, model, optim)
+        extra = check_extra(func, extra)
+        check_bool(func, "force", force)
+        self._finish_inflight()
+        if not force:
+            decided = self._decided if self._decided is not None and self._decided[0] == step else None
+            if not (decided[1] if decided is not None else self.should_save(step)):
+                return False
+        self._decided = None
+        if step in self._steps:
+            raise CheckpointExistsError(
+                f"{self._step_url(step)}: step {step} is already committed; a manager never replaces a step. Save under "
+                "another step, or delete that directory first"
+            )
+        comm = self._call_comm()
+        built: dict[str, Any] = {}
+
+        def build() -> list[str]:
+            built.update(model_and_optim_values(model, optim) if model is not None else {})
+            built.update(extra_values(extra, comm.rank))
+            built[RECORD_KEY] = {"step": step, "world_size": comm.world_size, "extra": sorted(extra)}
+            return sorted(extra)
+
+        # one collective: an object that cannot be stored fails every rank here, at once, and
+        # ranks that pass different extra names are told so
+        names = comm.all_gather(build)
+        comm.raise_failures(names)
+        if any(n != names[0] for n in names):
+            detail = "; ".join(f"rank {comm.global_ranks[r]}: {n}" for r, n in enumerate(names))
+            raise RankMismatchError(f"{func}: step {step}: every rank must pass the same extra names ({detail})")
+        state = built
+        handle = self._ckpt.async_save(self._root.child(step_dir_name(step)), state, process_group=self._group)
+        self._inflight = (step, handle)
+        self._requested = False
+        if not self._async:
+            self._finish_inflight()
+        return True
+
+    def wait_until_finished(self) -> None:
+        """Wait until the save in flight (if any) is committed, then apply the retention policy;
+        raises the save's error (on every rank) if it failed."""
+        self._check_open("wait_until_finished")
+        self._finish_inflight()
+
+    # --- restore -------------------------------------------------------------------------------------
+
+    def restore(
+        self,
+        step: int | None = None,
+        model: nn.Module | None = None,
+        optim: torch.optim.Optimizer | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> int | None:
+        """Load step ``step`` (default: the latest committed) into ``model``, ``optim`` and every
+        ``extra`` object, in place, in one pass; returns the step, or None when ``step`` is None
+        and nothing is committed yet (nothing is loaded then).
+
+        Any world size and parallelism loads the model and optimizer (as
+        :func:`~shardsafe.load_model_and_optim_state` does, with ``validate=True``). Each rank
+        restores the extra state its own rank saved; on a world size that grew, a new rank gets
+        the state all saved ranks shared, and where they differed, ``MissingKeyError``, except
+        for objects that keep their state then (``RNGState``; see
+        :func:`shardsafe.adapters.stateful.extra_targets`). Tensors in extra state are handed to
+        ``load_state_dict`` on the CPU. Waits for a save in flight first.
+        """
+        func = "CheckpointManager.restore"
+        self._check_open("restore")
+        if step is not None:
+            _check_step(func, step)
+        _check_model(func, model, optim)
+        extra = check_extra(func, extra)
+        self._finish_inflight()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                return None
+        elif step not in self._steps:
+            raise IncompleteCheckpointError(
+                f"{self._step_url(step)}: no committed checkpoint of step {step} under {self.root} (committed steps: "
+                f"{_steps_text(self._steps)})"
+            )
+        with self._being_read(step):
+            self._load(step, model, optim, extra)
+        self._decided = None
+        return step
+
+    def _load(self, step: int, model: Any, optim: Any, extra: dict[str, Any]) -> None:
+        storage = self._root.child(step_dir_name(step))
+        comm = self._call_comm("restore")
+        plan: list[ExtraRestore] = []
+
+        def targets(meta: StorageMetadata) -> dict[str, Any]:
+            if not extra:
+                return {}
+            record = meta.objects.get(RECORD_KEY)
+            if not (isinstance(record, dict) and type(record.get("world_size")) is int and record["world_size"] > 0):
+                raise CheckpointError(
+                    f"{storage.url}: the checkpoint has no {RECORD_KEY!r} record of a CheckpointManager save, so its extra "
+                    f"state cannot be restored (was it written by another function?); restore without extra="
+                )
+            plan.extend(extra_targets(meta, extra, comm.rank, comm.world_size, record["world_size"], storage.url))
+            return {k: t for item in plan for k, t in item.targets.items()}
+
+        def apply(loaded: dict[str, Any]) -> None:
+            for item in plan:
+                item.apply(loaded, storage.url)
+
+        _load_state(self._ckpt, storage, comm, model, optim, validate=True, more_targets=targets, more_apply=apply)
+
+    # --- end ------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), apply the retention policy and put
+        back the signal handler that was there before. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._finish_inflight()
+        finally:
+            self._closed = True
+            self._uninstall_handler()
+            self._root.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # the block failed: still wait for the save in flight, without hiding the block's error
+            self.close()
+        except Exception:  # noqa: BLE001 - logged; the block's exception goes on
+            log.exception("CheckpointManager(%s): closing after an error, the save in flight failed too", self.root)
+
+    def __repr__(self) -> str:
+        inflight = f", in flight: {self._inflight[0]}" if self._inflight else ""
+        return f"CheckpointManager({self.root!r}, steps {_steps_text(self._steps)}{inflight})"
+
+    # --- internals ------------------------------------------------------------------------------------
+
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager.{method}: the manager of {self.root} is closed; create a new one")
+
+    def _call_comm(self, method: str = "save") -> Comm:
+        return get_comm(process_group=self._group, call=f"shardsafe.CheckpointManager.{method}", timeout_s=self._ckpt.knobs.collective_timeout_s)
+
+    def _step_url(self, step: int) -> str:
+        return f"{self.root.rstrip('/')}/{step_dir_name(step)}"
+
+    def _scan(self) -> list[int]:
+        """(First rank.) Remove the step directories without ``metadata.json``; the committed steps."""
+        steps = []
+        for name in self._root.list_dirs():
+            step = _parse_step(name)
+            if step is None:
+                continue
+            if METADATA_FILENAME in self._root.child(name).list():
+                steps.append(step)
+            else:
+                log.info("CheckpointManager: removing %s/%s: it never committed (no %s)", self.root, name, METADATA_FILENAME)
+                self._remove(name)
+        return sorted(steps)
+
+    def _remove(self, name: str) -> None:
+        """Delete a step directory, ``metadata.json`` first, so that a removal cut short leaves
+        no committed checkpoint with files missing. Failures are logged, never raised."""
+        child = self._root.child(name)
+        try:
+            child.delete(METADATA_FILENAME)
+            for f in child.list():
+                child.delete(f)
+            self._root.remove_dir(name)
+        except (CheckpointError, OSError) as e:
+            log.warning("CheckpointManager: could not delete %s/%s: %s", self.root, name, e)
+        finally:
+            child.close()
+
+    def _finish_inflight(self) -> None:
+        """Wait for the save in flight; once committed, list its step and apply retention."""
+        if self._inflight is None:
+            return
+        step, handle = self._inflight
+        self._inflight = None  # a failed save is reported once, then forgotten
+        handle.wait()
+        if step not in self._steps:
+            self._steps = sorted([*self._steps, step])
+        self._retain(step)
+
+    def _retain(self, just: int) -> None:
+        """Apply ``keep_last`` / ``keep_every`` after step ``just`` committed. Every rank drops
+        the same steps from its list; the first rank deletes them."""
+        if self.keep_last is None:
+            return
+        with self._lock:
+            keep = set(self._steps[-self.keep_last :]) | {just, self._steps[-1]} | self._reading
+        if self.keep_every is not None:
+            keep |= {s for s in self._steps if s % self.keep_every == 0}
+        drop = [s for s in self._steps if s not in keep]
+        if not drop:
+            return
+        self._steps = [s for s in self._steps if s in keep]
+        if self._comm.is_coordinator:
+            for s in drop:
+                log.info("CheckpointManager: deleting step %d under %s (keep_last=%s, keep_every=%s)", s, self.root, self.keep_last, self.keep_every)
+                self._remove(step_dir_name(s))
+
+    @contextmanager
+    def _being_read(self, step: int) -> Iterator[None]:
+        with self._lock:
+            self._reading.add(step)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reading.discard(step)
+
+    # --- signals --------------------------------------------------------------------------------------
+
+    def _install_handler(self, signum: int) -> None:
+        def handler(received: int, frame: Any) -> None:  # no logging here: it may hold a lock the main thread holds
+            self._signals += 1
+
+        try:
+            self._previous_handler = signal_module.signal(signum, handler)
+        except ValueError as e:  # not the main thread, or not a signal number
+            raise CheckpointError(
+                f"CheckpointManager: cannot handle signal {signum} ({e}); save_on_signal needs the manager to be created "
+                "in the main thread of the main interpreter, with a valid signal number"
+            ) from None
+
+    def _uninstall_handler(self) -> None:
+        if self._signal is not None and self._previous_handler is not None:
+            try:
+                signal_module.signal(self._signal, self._previous_handler)
+            except ValueError:  # closed from another thread: the handler stays, counting into a closed manager
+                log.warning("CheckpointManager: could not restore the handler of signal %d (not the main thread)", self._signal)
+            self._previous_handler = None
+
+
+def _any_rank(comm: Comm, flag: bool, buf: torch.Tensor) -> bool:
+    """Whether ``flag`` is true on any rank of ``comm``: one all-reduce (MAX) of one int over the
+    group's CPU transport, with ``Comm``'s error translation and release wait. (It belongs in
+    ``shardsafe.dist.Comm``, the only caller of ``torch.distributed``; it is here while that
+    module is being reworked. ``Comm.all_gather`` would take two collectives and pickling.)"""
+    if not comm.distributed:
+        return flag
+    import torch.distributed as dist
+
+    buf.fill_(int(flag))
+    group = comm._cpu_group()
+    comm._count("all_reduce")
+    comm._run("all_reduce", lambda: dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True), [buf])
+    return bool(buf.item())
+
+
+def _open_root(root: Location) -> Directory:
+    storage = open_storage(root)
+    if not isinstance(storage, Directory):
+        raise TypeError(
+            f"CheckpointManager: argument 'root' must be a path, a URL or a storage that lists sub-directories "
+            f"(shardsafe.storage.Directory: list_dirs, child, remove_dir), got {type(storage).__qualname__}"
+        )
+    return storage
+
+
+def _check_positive(func: str, name: str, value: Any) -> None:
+    check_arg(func, name, value, int, optional=True)
+    if isinstance(value, bool):
+        raise TypeError(f"{func}: argument {name!r} must be an int or None, got bool {value!r}")
+    if value is not None and value < 1:
+        raise CheckpointError(f"{func}: {name} must be a positive integer or None, got {value!r}")
+
+
+def _check_step(func: str, step: Any) -> None:
+    if type(step) is not int:
+        raise TypeError(f"{func}: argument 'step' must be an int, got {type(step).__qualname__} {step!r}")
+    if step < 0:
+        raise CheckpointError(f"{func}: step must be >= 0, got {step}")
+
+
+def _check_model(func: str, model: Any, optim: Any) -> None:
+    check_arg(func, "model", model, nn.Module, optional=True)
+    check_arg(func, "optim", optim, torch.optim.Optimizer, optional=True)
+    if optim is not None and model is None:
+        raise CheckpointError(f"{func}: optim was given without its model; the optimizer's state is stored by parameter name, so pass model= too")
+
+
+def _steps_text(steps: list[int]) -> str:
+    if len(steps) <= 8:
+        return str(steps)
+    return f"[{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}] ({len(steps)})"
