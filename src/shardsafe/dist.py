@@ -54,7 +54,7 @@ _RELEASE_WAIT_S = 2.0  # longest wait for a backend to let go of a collective's 
 
 def collective_counts() -> dict[str, int]:
     """How many collectives this process has run, by kind (``arrive``, ``gather``,
-    ``all_gather``, ``scatter``, ``broadcast``); a single-process ``Comm`` runs none."""
+    ``all_gather``, ``all_reduce``, ``scatter``, ``broadcast``); a single-process ``Comm`` runs none."""
     return dict(_COUNTS)
 
 
@@ -152,6 +152,7 @@ class Comm:
         self.counts: Counter[str] = Counter()
         self._own_error: BaseException | None = None  # the first exception this rank raised in a collective
         self._transport: dist.ProcessGroup | None = None
+        self._flag: torch.Tensor | None = None  # any()'s one int, reused
 
     @property
     def is_coordinator(self) -> bool:
@@ -244,6 +245,19 @@ class Comm:
             results[self.rank] = sent
         self.raise_failures(results)
         return value  # type: ignore[return-value]
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank: one all-reduce (MAX) of one int, no pickling."""
+        self._count("all_reduce")
+        if not self.distributed:
+            return flag
+        if self._flag is None:
+            self._flag = torch.zeros(1, dtype=torch.int32)
+        buf = self._flag
+        buf.fill_(int(flag))
+        group = self._cpu_group()
+        self._run("all_reduce", lambda: dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True), [buf])
+        return bool(buf.item())
 
     def raise_failures(self, results: list[Any] | None) -> None:
         """:func:`raise_failures` for this rank: its own exception is re-raised when it alone failed."""

@@ -126,7 +126,6 @@ class CheckpointManager:
         self._signal = save_on_signal
         self._signals = 0  # signals received by this process (counted by the handler)
         self._signals_seen = 0  # how many of them a should_save has taken into account
-        self._flag = torch.zeros(1, dtype=torch.int32)  # the one int should_save all-reduces
         self._requested = False  # a signal asked for a save that has not been made yet (the same on every rank)
         self.signal_received = False
         """True on every rank once :meth:`should_save` has seen a ``save_on_signal`` signal on any rank."""
@@ -158,7 +157,7 @@ class CheckpointManager:
             seen = self._signals  # read once: a signal arriving now counts at the next call
             mine = seen > self._signals_seen
             self._signals_seen = seen
-            if _any_rank(self._comm, mine, self._flag):
+            if self._comm.any(mine):
                 self._requested = True
                 self.signal_received = True
         taken = step in self._steps or (self._inflight is not None and self._inflight[0] == step)
@@ -429,22 +428,6 @@ class CheckpointManager:
             except ValueError:  # closed from another thread: the handler stays, counting into a closed manager
                 log.warning("CheckpointManager: could not restore the handler of signal %d (not the main thread)", self._signal)
             self._previous_handler = None
-
-
-def _any_rank(comm: Comm, flag: bool, buf: torch.Tensor) -> bool:
-    """Whether ``flag`` is true on any rank of ``comm``: one all-reduce (MAX) of one int over the
-    group's CPU transport, with ``Comm``'s error translation and release wait. (It belongs in
-    ``shardsafe.dist.Comm``, the only caller of ``torch.distributed``; it is here while that
-    module is being reworked. ``Comm.all_gather`` would take two collectives and pickling.)"""
-    if not comm.distributed:
-        return flag
-    import torch.distributed as dist
-
-    buf.fill_(int(flag))
-    group = comm._cpu_group()
-    comm._count("all_reduce")
-    comm._run("all_reduce", lambda: dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True), [buf])
-    return bool(buf.item())
 
 
 def _open_root(root: Location) -> Directory:
