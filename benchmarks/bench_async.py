@@ -9,10 +9,11 @@ Usage::
         [--update-docs]
 
 For each world size, one process per rank (gloo on a free port) holds an FSDP2-style training
-state: the demo transformer's parameters and AdamW state as ``DTensor``s sharded on dim 0 over
-all ranks (``iobench.states.model_spec``), ``--mib-per-rank`` MiB per rank. Every method below
-runs once untimed-as-steady (its first save: buffers allocated, DCP's checkpoint process
-started; reported apart as "first"), then ``--reps`` times, in an order rotated every repetition:
+state of about ``--mib-per-rank`` MiB per rank: a Llama-style model's fp32 parameters and AdamW
+state (:func:`training_spec`; 256 MiB per rank gives 372 tensors on 2 ranks, 912 on 4) as
+``DTensor``s sharded on dim 0 over all ranks, 0-d ``step`` tensors replicated. Every method below
+saves once first (buffers allocated, DCP's checkpoint process started: reported apart as "first
+save"), then ``--reps`` times, in an order rotated every repetition:
 
 - ``memcpy`` (the limit): the rank's local tensor bytes copied into preallocated, already
   touched memory, reused from save to save;
@@ -119,6 +120,38 @@ class Config:
     methods: tuple[str, ...]
     baseline_steps: int  # steps of the no-save peer per repetition
     mlp: tuple[int, int, int]  # (width, hidden, batch) of the training step
+
+
+# ---------------------------------------------------------------- the state
+
+
+# (dim, heads, kv_heads, ffn, vocab) of Llama-style models, smallest first
+_LADDER = ((64, 2, 1, 176, 2000), (128, 4, 2, 352, 4000), (256, 4, 2, 704, 8000), (512, 8, 2, 1408, 16000),
+           (1024, 16, 4, 2816, 32000), (2048, 16, 4, 5632, 32000))
+
+
+def training_spec(total: int) -> tuple[list, str]:
+    """A Llama-style model's fp32 parameters and AdamW state (``exp_avg``, ``exp_avg_sq``, a 0-d
+    ``step`` per parameter) of at most ``total`` bytes (at least one layer): the widest model of
+    the ladder that fits four layers, with as many layers as fit."""
+    import torch
+    from iobench.states import _llama_shapes, nbytes
+
+    def build(dims: tuple[int, ...], layers: int) -> list:
+        dim, heads, kv, ffn, vocab = dims
+        params = _llama_shapes(dim, layers, vocab, ffn, kv, heads)
+        spec = [(f"model.{name}", shape, torch.float32) for name, shape in params]
+        for name, shape in params:
+            spec += [(f"optim.state.{name}.exp_avg", shape, torch.float32), (f"optim.state.{name}.exp_avg_sq", shape, torch.float32),
+                     (f"optim.state.{name}.step", (), torch.float32)]
+        return spec
+
+    dims = next((d for d in reversed(_LADDER) if nbytes(build(d, 4)) <= total), _LADDER[0])
+    layers = 1
+    while nbytes(build(dims, layers + 1)) <= total:
+        layers += 1
+    spec = build(dims, layers)
+    return spec, f"Llama-style dim={dims[0]} layers={layers} vocab={dims[4]} + AdamW, {len(spec)} tensors, {nbytes(spec) / _MiB:.0f} MiB"
 
 
 # ---------------------------------------------------------------- one rank
@@ -256,7 +289,7 @@ def _rank_main(rank: int, world: int, port: int, cfg: Config, out) -> None:
 def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
     import torch
     import torch.distributed as dist
-    from iobench.states import build_state, local_bytes, model_spec
+    from iobench.states import build_state, local_bytes
     from torch.distributed.device_mesh import init_device_mesh
 
     threads = max(1, (os.cpu_count() or 1) // world)
@@ -267,7 +300,7 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
     methods = None
     try:
         mesh = init_device_mesh("cpu", (world,))
-        spec, _ = model_spec(int(cfg.mib_per_rank * _MiB * world))
+        spec, _ = training_spec(int(cfg.mib_per_rank * _MiB * world))
         state = build_state(spec, mesh, 0)
         methods = Methods(state)
         trainer = Trainer(*cfg.mlp, seed=rank)
@@ -474,7 +507,8 @@ def markdown(summary: dict[int, dict[str, dict]], info: dict, config: dict) -> s
     head = (
         f"{info['date']}, {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, torch {info['torch']}, "
         f"commit {info['commit']}; {config['mib_per_rank']:g} MiB per rank, {config['reps']} repetitions (medians), "
-        f"training step: MLP {config['mlp']}, {config['elapsed_s']:.0f} s in all.\n\n"
+        f"training step: MLP {config['mlp']}, {config['elapsed_s']:.0f} s in all. State: "
+        + "; ".join(f"ws{w}: {d}" for w, d in config["states"].items()) + ".\n\n"
         "| ws | method | blocked s (min–max) | first save blocked s | durable s | durable s, training | step ms | step slowdown | steps overlapped | peak extra RSS MiB |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
@@ -544,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
             records += run_world(cfg, world)
     finally:
         shutil.rmtree(cfg.root, ignore_errors=True)
-    config = dict(asdict(cfg), world_sizes=worlds, elapsed_s=round(time.time() - t0, 1))
+    config = dict(asdict(cfg), world_sizes=worlds, elapsed_s=round(time.time() - t0, 1),
+                  states={w: training_spec(int(mib * _MiB * w))[1] for w in worlds})
     info = machine()
     summary = summarize(records)
     table = markdown(summary, info, config)
