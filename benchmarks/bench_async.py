@@ -52,8 +52,9 @@ Measured, per method and repetition (a time is the slowest rank's):
 Each save writes into a directory removed (by rank 0, outside the clock) before the save, so no
 checkpoint piles up in the page cache; every save fsyncs its files (DCP's ``sync_files=True``).
 Peak RSS beyond the state is the rank's high-water mark during the durable run (staging buffers
-a method already holds from an earlier save are not counted again; ``dcp-process``'s own process
-is not counted at all).
+a method already holds from an earlier save are not counted again); "held" is what the rank's
+RSS grew by over the method's first save, once committed: the buffers it keeps from save to save
+(``dcp-process``'s own process is counted in neither).
 
 Prints a markdown table and, per world size, one line::
 
@@ -86,7 +87,7 @@ from dataclasses import asdict, dataclass
 from statistics import median
 from typing import Any
 
-from iobench.harness import PeakRSS, free_port, trim_heap
+from iobench.harness import PeakRSS, _rss, free_port, trim_heap
 from iobench.report import machine
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -327,13 +328,19 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
         def durable_run(m: str, rep: int) -> None:
             path = os.path.join(cfg.root, f"ws{world}", m)
             fresh(path)
+            before = _rss()
             with peak:
                 t0, blocked, committed = call(m, path)
                 if committed is not None:
                     committed.result()
                 durable = time.perf_counter() - t0
+            held = None
+            if rep < 0:  # what the method keeps from save to save (staging buffers)
+                gc.collect(1)
+                trim_heap()
+                held = _rss() - before
             records.append(dict(base, method=m, run="durable", rep=rep, blocked_s=blocked,
-                                durable_s=None if METHODS[m] == "limit" else durable, extra_rss=peak.extra))
+                                durable_s=None if METHODS[m] == "limit" else durable, extra_rss=peak.extra, held_rss=held))
             if rank == 0:
                 print(f"  ws{world} rep {rep:2} {m:18} blocked {blocked:8.4f} s  durable {durable:7.3f} s",
                       file=sys.stderr, flush=True)
@@ -422,7 +429,7 @@ def merge_ranks(records: list[dict]) -> list[dict]:
     for r in records:
         key = (r["world"], r["method"], r["run"], r["rep"])
         m = merged.setdefault(key, {k: v for k, v in r.items() if k != "rank"})
-        for f in ("blocked_s", "durable_s", "step_s", "extra_rss", "state_bytes"):
+        for f in ("blocked_s", "durable_s", "step_s", "extra_rss", "held_rss", "state_bytes"):
             if r.get(f) is not None:
                 m[f] = max(m[f], r[f]) if m.get(f) is not None else r[f]
         if "steps" in r:
@@ -459,6 +466,7 @@ def summarize(records: list[dict]) -> dict[int, dict[str, dict]]:
                 step_s=_med([r.get("step_s") for r in train]),
                 steps=_med([r.get("steps") for r in train]),
                 extra_rss=_med([r.get("extra_rss") for r in dur]),
+                held_rss=first[0].get("held_rss") if first else None,
                 state_bytes=max(r["state_bytes"] for r in rs),
             )
         base = rows.get(BASELINE, {}).get("step_s")
@@ -509,8 +517,8 @@ def markdown(summary: dict[int, dict[str, dict]], info: dict, config: dict) -> s
         f"commit {info['commit']}; {config['mib_per_rank']:g} MiB per rank, {config['reps']} repetitions (medians), "
         f"training step: MLP {config['mlp']}, {config['elapsed_s']:.0f} s in all. State: "
         + "; ".join(f"ws{w}: {d}" for w, d in config["states"].items()) + ".\n\n"
-        "| ws | method | blocked s (min–max) | first save blocked s | durable s | durable s, training | step ms | step slowdown | steps overlapped | peak extra RSS MiB |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| ws | method | blocked s (min–max) | first save blocked s | durable s | durable s, training | step ms | step slowdown | steps overlapped | peak extra RSS MiB | held MiB |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = []
     for world, rows in summary.items():
@@ -520,7 +528,7 @@ def markdown(summary: dict[int, dict[str, dict]], info: dict, config: dict) -> s
                 f"| {world} | {m} | {blocked} | {_f(r['first_blocked_s'], '.4f')} | {_f(r['durable_s'], '.4f')} "
                 f"| {_f(r['durable_training_s'], '.4f')} | {_f(r['step_s'] and r['step_s'] * 1e3, '.1f')} "
                 f"| {_f(r['slowdown_pct'], '+.1f')}{'%' if r['slowdown_pct'] is not None else ''} | {_f(r['steps'], 'g')} "
-                f"| {_f(r['extra_rss'] and r['extra_rss'] / _MiB, '.1f')} |"
+                f"| {_f(r['extra_rss'] and r['extra_rss'] / _MiB, '.1f')} | {_f(r['held_rss'] and r['held_rss'] / _MiB, '.1f')} |"
             )
     lines = ratio_lines(summary)
     return head + "\n".join(body) + ("\n\n```\n" + "\n".join(lines) + "\n```\n" if lines else "\n")
