@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from shardsafe.adapters import describe_state
-from shardsafe.engine.writer import _build_metadata, _write_file
+from shardsafe.engine.staging import StagingRing, live_units, stage
+from shardsafe.engine.writer import _build_metadata, _unit_bytes, _write_file
 from shardsafe.format.metadata import METADATA_FILENAME, StorageMetadata
 from shardsafe.knobs import KNOBS
 from shardsafe.planning.save_plan import TensorDesc, plan_save
@@ -15,8 +16,10 @@ from shardsafe.storage import open_storage
 
 
 def simulate_save(
-    location: str, per_rank: list[dict[str, Any]], *, split_bytes: int | None = None, knobs=KNOBS
+    location: str, per_rank: list[dict[str, Any]], *, split_bytes: int | None = None, knobs=KNOBS, staged: bool = False
 ) -> StorageMetadata:
+    """Save ``per_rank`` (rank r's state dict) to ``location`` and commit. With ``staged``, each
+    rank's bytes go through a staging buffer first (the async path), copied before any is written."""
     storage = open_storage(location)
     locals_, descs = [], []
     for sd in per_rank:
@@ -24,7 +27,16 @@ def simulate_save(
         locals_.append({t.key: t for t in tensors})
         descs.append([TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors])
     plan = plan_save(descs, save_id="5eed", split_bytes=knobs.replica_split_bytes if split_bytes is None else split_bytes)
-    sums = [_write_file(storage, plan.ranks[r], locals_[r], knobs) for r in range(len(per_rank))]
+    sums = [_write_file(storage, plan.ranks[r], _units(plan.ranks[r].items, locals_[r], knobs, staged), knobs) for r in range(len(per_rank))]
     meta = _build_metadata(plan, sums, ({}, {}), knobs.checksum_block_bytes)
     storage.put_atomic(METADATA_FILENAME, meta.to_json(), overwrite=True)
     return meta
+
+
+def _units(items, local, knobs, staged: bool):
+    if not staged:
+        return live_units(items, local, _unit_bytes(knobs, None))
+    ring = StagingRing(max(64, sum(-(-(it.byte_range[1] - it.byte_range[0]) // 64) * 64 for it in items)), pinned=False)
+    units: list = []
+    stage(items, local, ring, _unit_bytes(knobs, ring.capacity), units.append)
+    return units

@@ -60,7 +60,8 @@ def test_any_layout_to_any_layout(shape, dtype, seed, data):
     save_layout = data.draw(layouts(shape), label="save")
     load_layout = data.draw(layouts(shape), label="load")
     url = f"memory://prop-{uuid.uuid4().hex}"
-    simulate_save(url, [{"t": as_sharded("t", full, p, piece_data(full, p))} for p in save_layout])
+    staged = data.draw(st.booleans(), label="staged")  # through the async path's staging buffer, or not
+    simulate_save(url, [{"t": as_sharded("t", full, p, piece_data(full, p))} for p in save_layout], staged=staged)
 
     for p in load_layout:
         expected = piece_data(full, p)

@@ -18,7 +18,7 @@ from .adapters.modules import ParamInfo, model_state
 from .adapters.optim import GROUPS_KEY, STATE_PREFIX, check_param_groups, optim_state, optim_targets, split_state_key
 from .checkpointer import Checkpointer, _read_metadata
 from .dist import Comm, get_comm
-from .engine.background import AsyncSave, completed
+from .engine.background import AsyncSave
 from .errors import CheckpointError, MissingKeyError
 from .knobs import Knobs
 from .storage import Location, open_storage
@@ -58,7 +58,7 @@ def save_model_and_optim_state(
     :func:`load_model_and_optim_state`. Returns the files this rank wrote. ``process_group``:
     the ranks that take part (default: all).
     """
-    return _save_model_and_optim("save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group).wait()
+    return _save_model_and_optim("save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group, False)
 
 
 def async_save_model_and_optim_state(
@@ -73,7 +73,7 @@ def async_save_model_and_optim_state(
     """:func:`save_model_and_optim_state` in the background: returns once the state is staged
     (training may go on and change every parameter); ``wait()`` on the result returns the files
     this rank wrote once the checkpoint is committed, or raises the save's error."""
-    return _save_model_and_optim("async_save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group)
+    return _save_model_and_optim("async_save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group, True)
 
 
 def model_and_optim_values(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -86,15 +86,18 @@ def model_and_optim_values(model: nn.Module, optim: torch.optim.Optimizer | None
 
 
 def _save_model_and_optim(
-    func: str, dir: Location, model: Any, optim: Any, save_overwrite: Any, knobs: Any, process_group: ProcessGroup | None
-) -> AsyncSave[list[str]]:
+    func: str, dir: Location, model: Any, optim: Any, save_overwrite: Any, knobs: Any, process_group: ProcessGroup | None,
+    background: bool,
+) -> Any:
     _check_model_args(func, model, optim, knobs)
     check_bool(func, "save_overwrite", save_overwrite)
     ckpt = Checkpointer(knobs=knobs)
     storage = open_storage(dir)
     state = model_and_optim_values(model, optim)
     comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s)
-    return completed(storage.url, lambda: ckpt._save(storage, state, save_overwrite, comm)[1])
+    if not background:
+        return ckpt._save(storage, state, save_overwrite, comm)[1]
+    return ckpt._async_save(storage, state, save_overwrite, comm, result=lambda out: out[1])
 
 
 def load_model_and_optim_state(

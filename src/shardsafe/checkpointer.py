@@ -10,11 +10,11 @@ from ._args import check_arg, check_bool
 from ._gc import paused_gc
 from .adapters import LocalTensor, describe_state
 from .dist import Comm, get_comm
-from .engine.background import AsyncSave, completed
+from .engine.background import AsyncSave, wait_for_location
 from .engine.bounds import check_files_hold
 from .engine.objects import decode_objects
 from .engine.reader import Reader
-from .engine.writer import save_state
+from .engine.writer import async_save_state, save_state
 from .errors import DtypeMismatchError, IncompleteCheckpointError, MissingKeyError, ShapeMismatchError
 from .format.metadata import METADATA_FILENAME, StorageMetadata, keys_under
 from .knobs import KNOBS, Knobs
@@ -87,7 +87,15 @@ class Checkpointer:
         check_bool("Checkpointer.async_save", "save_overwrite", save_overwrite)
         storage = open_storage(dir)
         comm = self._comm("async_save", False, process_group)
-        return completed(storage.url, lambda: self._save(storage, state_dict, save_overwrite, comm))
+        return self._async_save(storage, state_dict, save_overwrite, comm)
+
+    def _async_save(
+        self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm, *, result: Any = None
+    ) -> AsyncSave[Any]:
+        return async_save_state(
+            storage, state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle, comm=comm, knobs=self.knobs,
+            result=result,
+        )
 
     def _save(self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm) -> tuple[StorageMetadata, list[str]]:
         return save_state(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle, comm=comm, knobs=self.knobs)
@@ -207,6 +215,7 @@ class Checkpointer:
 
 def _read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
     where = f"{storage.url.rstrip('/')}/{METADATA_FILENAME}"
+    wait_for_location(storage.url)  # a save in flight from this process to it commits first
 
     def read() -> bytes:
         try:

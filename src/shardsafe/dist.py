@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .errors import CheckpointError, CollectiveError, MissingRanksError
 from .knobs import KNOBS
 
-__all__ = ["Comm", "Failed", "RankFailure", "collective_counts", "get_comm", "raise_failures"]
+__all__ = ["Comm", "Failed", "RankFailure", "background_comm", "collective_counts", "get_comm", "raise_failures"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -109,6 +109,8 @@ def raise_failures(results: list[Any] | None, *, rank: int, own: BaseException |
 def _error(failures: list[RankFailure], *, rank: int, own: BaseException | None) -> BaseException:
     by_rank = {f.rank: f for f in sorted(failures, key=lambda f: f.rank)}
     if own is not None and list(by_rank) == [rank]:
+        if isinstance(own, CheckpointError) and not own.rank_errors:  # as the other ranks see it
+            own.rank_errors = {rank: by_rank[rank].describe()}
         return own
     first = next(iter(by_rank.values()))
     cls = first.error_class or CheckpointError
@@ -431,6 +433,34 @@ def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         side = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
         _SIDE_GROUPS[group] = side
     return side
+
+
+_BACKGROUND_GROUPS: dict[Any, dist.ProcessGroup] = {}  # process group -> its gloo group for background commits
+
+
+def background_comm(comm: Comm, *, timeout_s: float) -> Comm:
+    """A ``Comm`` of the same ranks as ``comm`` on a gloo group used only by background saves, so
+    a save's commit can run while the caller's own collectives run on its group.
+
+    The group is created once per process group, the first time (every rank of ``comm`` is here:
+    it has passed the arrival check); a background collective that waits longer than ``timeout_s``
+    for a peer fails with ``CollectiveError`` rather than hanging.
+    """
+    if not comm.distributed:
+        return Comm(None, call=comm.call)
+    side = _BACKGROUND_GROUPS.get(comm.group)
+    if side is None:
+        side = dist.new_group(
+            comm.global_ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+        )
+        _BACKGROUND_GROUPS[comm.group] = side
+    out = Comm(side, call=comm.call)
+    if out.global_ranks != comm.global_ranks:  # new_group orders ranks by number; a group given in another order
+        raise CollectiveError(
+            f"{comm.call}: the background group's ranks {out.global_ranks} are not in the order of the process group's "
+            f"{comm.global_ranks}; pass a process group whose ranks are in increasing order"
+        )
+    return out
 
 
 def _to_tensor(data: bytes, width: int) -> torch.Tensor:

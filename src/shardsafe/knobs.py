@@ -28,6 +28,8 @@ _TABLE: dict[str, tuple[int, str]] = {
     "writeback_bytes": (16 * _MiB, "local files: start writing back every this many bytes written (sync_file_range), so the final fsync has little left; 0: off"),
     "checksum_block_bytes": (1 * _MiB, "saves: each chunk gets one XXH3-64 digest per block of this many bytes (a multiple of 16), so a load that reads part of a chunk verifies only the blocks it touches"),
     "read_block_bytes": (32 * _MiB, "in-place reads larger than this are split into blocks read concurrently while the checksum runs (bytes)"),
+    "async_max_in_flight": (1, "async saves: how many may be in flight at once; the next one first waits for the oldest to commit (each in flight holds its own staging buffer)"),
+    "async_staging_bytes": (32 << 30, "async saves: the most host memory one save stages into (bytes); a rank whose state is larger stages in parts, and async_save returns once the last part is copied"),
     "collective_timeout_s": (600, "collective calls (save, load, unshard): how long the ranks that called wait for the others to call too before raising MissingRanksError (seconds)"),
 }
 
@@ -49,10 +51,16 @@ class Knobs:
     read_block_bytes: int = _TABLE["read_block_bytes"][0]
     collective_timeout_s: int = _TABLE["collective_timeout_s"][0]
     checksum_block_bytes: int = _TABLE["checksum_block_bytes"][0]
+    async_max_in_flight: int = _TABLE["async_max_in_flight"][0]
+    async_staging_bytes: int = _TABLE["async_staging_bytes"][0]
 
     def __post_init__(self) -> None:
         if self.checksum_block_bytes < 16 or self.checksum_block_bytes % 16:
             raise ValueError(f"checksum_block_bytes={self.checksum_block_bytes} must be a positive multiple of 16")
+        if self.async_max_in_flight < 1:
+            raise ValueError(f"async_max_in_flight={self.async_max_in_flight} must be at least 1")
+        if self.async_staging_bytes < 1:
+            raise ValueError(f"async_staging_bytes={self.async_staging_bytes} must be at least 1")
 
     @classmethod
     def from_env(cls) -> Knobs:

@@ -69,22 +69,28 @@ class WriteBehind:
 
     def _run(self) -> None:
         while True:
-            data = self._queue.get()
+            item = self._queue.get()
             try:
-                if data is None:
+                if item is None:
                     return
+                data, done = item
                 if self._error is None:
                     self._out.write(data)
+                    if done is not None:
+                        done()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e
             finally:
                 self._queue.task_done()
 
-    def write(self, data: memoryview) -> None:
+    def write(self, data: memoryview, done=None) -> None:
+        """Queue ``data``; ``done()`` is called (in the writing thread) once it is written."""
         if self._error is not None:
             raise self._error
         if data.nbytes:
-            self._queue.put(data)
+            self._queue.put((data, done))
+        elif done is not None:
+            done()
 
     def flush(self) -> None:
         """Wait until every queued block is written (so its buffer may be reused)."""

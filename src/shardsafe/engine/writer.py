@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from .._gc import paused_gc
 from ..adapters import LocalTensor, describe_state
-from ..dist import Comm
+from ..dist import Comm, background_comm
 from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
 from ..format.metadata import (
@@ -39,10 +40,12 @@ from ..knobs import Knobs
 from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name, plan_save
 from ..storage import Storage
 from . import plan_cache
-from .buffers import WriteBehind, byte_view
+from .background import AsyncSave, before_save, run_in_background
+from .buffers import WriteBehind
 from .objects import encode_objects, merge_rank_objects
+from .staging import RINGS, RingAborted, Unit, UnitQueue, live_units, stage
 
-__all__ = ["save_state"]
+__all__ = ["async_save_state", "save_state"]
 
 log = logging.getLogger(__name__)
 _OUR_FILES = re.compile(r"^shard-r\d+-[0-9a-f]+\.safetensors$")
@@ -52,6 +55,82 @@ _OUR_TEMP_FILES = re.compile(r"^metadata\.json\.tmp-[0-9a-f]{32}$")  # LocalStor
 def save_state(
     storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs
 ) -> tuple[StorageMetadata, list[str]]:
+    """A synchronous save: the async path with no staging copy (this rank's bytes are read from
+    the caller's tensors while it waits) and the last phase in the caller's thread."""
+    before_save(storage.url, max_in_flight=None)
+    p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
+    return _finish(p, comm, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)))
+
+
+def async_save_state(
+    storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
+    result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None = None,
+) -> AsyncSave[Any]:
+    """Plan in the caller's thread, stage this rank's bytes into a reused buffer, and return; the
+    write and the commit go on in the background (see :mod:`.background`). The save's outcome is
+    what :func:`save_state` returns, passed through ``result`` if given."""
+    before_save(storage.url, max_in_flight=knobs.async_max_in_flight)
+    side = background_comm(comm, timeout_s=knobs.collective_timeout_s)
+    p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
+    items = p.mine.items
+    total = sum(-(-(it.byte_range[1] - it.byte_range[0]) // 64) * 64 for it in items)
+    pinned = any(p.local[it.key].views[it.piece_index].device.type == "cuda" for it in items)
+    ring = RINGS.acquire(min(total, knobs.async_staging_bytes), pinned=pinned)
+    block = _unit_bytes(knobs, ring.capacity)
+    units = UnitQueue()
+    ring.on_wait = units.start  # the buffer is full: the writer must run for the staging to go on
+
+    def produce() -> None:
+        try:
+            stage(items, p.local, ring, block, units.put)
+        except RingAborted:  # the writer failed: its error is the save's
+            return
+        except BaseException as e:
+            units.close(e)
+            raise
+        units.close(None)
+        if ring.waited:
+            log.info(
+                "%s: rank %d staged %d bytes in parts through a %d-byte buffer (knobs.async_staging_bytes): "
+                "async_save returned once the last part was copied", storage.url, comm.global_rank, total, ring.capacity,
+            )
+
+    def consume() -> Any:
+        def done_writing() -> None:
+            ring.abort()  # a producer still waiting for room stops: the save failed
+            RINGS.release(ring)
+
+        out = _finish(p, side, units, after_write=done_writing)
+        return result(out) if result is not None else out
+
+    return run_in_background(storage.url, produce, consume, name=f"shardsafe-save-{p.save_id}")
+
+
+class _Prepared(NamedTuple):
+    """A save after planning: what the write and the commit need."""
+
+    storage: Storage
+    save_overwrite: bool
+    mine: RankWritePlan
+    local: dict[str, LocalTensor]
+    save_id: str
+    state: dict[str, Any]  # the coordinator's: listed files, committed version, plan, objects
+    knobs: Knobs
+
+
+def _unit_bytes(knobs: Knobs, capacity: int | None) -> int:
+    """Bytes per write unit: whole checksum blocks, at most ``write_block_bytes`` and, when
+    staging, at most half the staging buffer (so copying one unit overlaps writing another)."""
+    cblock = knobs.checksum_block_bytes
+    block = max(cblock, knobs.write_block_bytes - knobs.write_block_bytes % cblock)
+    if capacity is not None:
+        block = min(block, max(cblock, capacity // 2 - (capacity // 2) % cblock))
+    return block
+
+
+def _prepare(
+    storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs
+) -> _Prepared:
     local: dict[str, LocalTensor] = {}
     key = (tuple(comm.global_ranks), knobs.replica_split_bytes)
     cached = plan_cache.lookup(key)
@@ -119,8 +198,24 @@ def save_state(
     if mine is None:  # the coordinator reuses the plan this rank's cached part is from
         mine = plan_cache.renamed(cached.rank_plan, comm.rank, save_id)  # type: ignore[arg-type]
     plan_cache.store_rank(key, mine_desc["digest"], mine, plan_id)
+    return _Prepared(storage, save_overwrite, mine, local, save_id, state, knobs)
+
+
+def _finish(
+    p: _Prepared, comm: Comm, units: Iterable[Unit], *, after_write: Callable[[], None] | None = None
+) -> tuple[StorageMetadata, list[str]]:
+    """Write this rank's file from ``units``, then commit (the coordinator) with ``comm``'s ranks."""
+    storage, save_overwrite, mine, save_id, state, knobs = p.storage, p.save_overwrite, p.mine, p.save_id, p.state, p.knobs
+
+    def write() -> list[str]:
+        try:
+            return _write_file(storage, mine, units, knobs)
+        finally:
+            if after_write is not None:
+                after_write()
+
     try:
-        written = comm.gather(lambda: _write_file(storage, mine, local, knobs))
+        written = comm.gather(write)
     except CollectiveError:  # a rank died or lost its connection: nothing will commit
         if comm.is_coordinator:
             _remove_save_files(storage, save_id, comm.world_size)
@@ -276,43 +371,27 @@ def _check_tensor_or_value(descs: list[list[TensorDesc]], gathered: list[_RankDe
         )
 
 
-def _write_file(storage: Storage, plan: RankWritePlan, local: dict[str, LocalTensor], knobs: Knobs) -> list[str]:
-    """Write this rank's data file; returns each item's block checksums (encoded), in order.
+def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], knobs: Knobs) -> list[str]:
+    """Write this rank's data file from ``units`` (each item's bytes, in order); returns each
+    item's block checksums (encoded), in order.
 
-    Blocks go to a write-behind thread, so the checksums of one block (and the device-to-host
-    copy of the next item) overlap the write of the one before.
+    Each unit is checksummed, then handed to a write-behind thread, so the checksums of one unit
+    (and the copy or device-to-host transfer of the next) overlap the write of the one before.
     """
     if plan.file is None:
+        for _ in units:  # nothing to write: the units (none are expected) are drained all the same
+            pass
         return []
-    sums = []
     cblock = knobs.checksum_block_bytes
-    block = max(cblock, knobs.write_block_bytes - knobs.write_block_bytes % cblock)  # whole checksum blocks
+    digests: list[list[int]] = [[] for _ in plan.items]
     with storage.write_file(plan.file) as out, WriteBehind(out) as behind:
         behind.write(memoryview(plan.header))
-        for item in plan.items:
-            lt = local[item.key]
-            view = lt.views[item.piece_index]
-            piece_off, piece_lens, _ = lt.pieces[item.piece_index]
-            if item.flat is None and (item.offsets, item.lengths) != (piece_off, piece_lens):  # part of a split replica
-                start = item.offsets[0] - piece_off[0]
-                view = view[start : start + item.lengths[0]]
-            data = view.detach()
-            if data.device.type != "cpu":
-                data = data.to("cpu")
-            data = data.contiguous()
-            mv = byte_view(data) if data.numel() else memoryview(b"")
-            expected = item.byte_range[1] - item.byte_range[0]
-            if mv.nbytes != expected:
-                raise CheckpointError(
-                    f"key {item.key!r}: chunk {item.name!r} has {mv.nbytes} bytes, the plan expected {expected}"
-                )
-            digests: list[int] = []
-            for pos in range(0, mv.nbytes, block):
-                part = mv[pos : pos + block]
-                behind.write(part)  # the view keeps ``data`` alive until it is written
-                digest_blocks(part, cblock, digests)
-            sums.append(encode_digests(digests))
-    return sums
+        for u in units:
+            if u.ready is not None:
+                u.ready.synchronize()
+            digest_blocks(u.data, cblock, digests[u.index])  # before the unit can be released
+            behind.write(u.data, u.release)
+    return [encode_digests(d) for d in digests]
 
 
 def _build_metadata(
