@@ -6,7 +6,7 @@ Usage::
 
     python benchmarks/bench_async.py [--mib-per-rank 256] [--reps 5] [--world-sizes 2,4]
         [--methods NAME,...] [--quick] [--dir /tmp/shardsafe-bench-async] [--out benchmarks/results]
-        [--update-docs]
+        [--update-docs] [--from-json PATH]
 
 For each world size, one process per rank (gloo on a free port) holds an FSDP2-style training
 state of about ``--mib-per-rank`` MiB per rank: a Llama-style model's fp32 parameters and AdamW
@@ -47,7 +47,11 @@ Measured, per method and repetition (a time is the slowest rank's):
   continuously from the moment the async save returns until it commits: the mean time of the
   steps that began before the commit, against the same steps with no save in flight (``no-save``,
   a peer in the rotation). Ranks train independently (no collective per step); the slowest rank
-  is reported, as a synchronous training job would wait for it.
+  is reported, as a synchronous training job would wait for it;
+- **training lost**: what the save cost the training loop in all: the blocked time plus, for an
+  async save, the time its overlapped steps took beyond the rank's median ``no-save`` step (a
+  method that finishes fast but slows steps a lot is compared fairly with one that slows them
+  a little for longer).
 
 Each save writes into a directory removed (by rank 0, outside the clock) before the save, so no
 checkpoint piles up in the page cache; every save fsyncs its files (DCP's ``sync_files=True``).
@@ -61,6 +65,7 @@ Prints a markdown table and, per world size, one line::
     ASYNC ws<N> blocked_s=... memcpy_s=... dcp_best=<method> dcp_best_blocked_s=...
         blocked_vs_memcpy=...x blocked_vs_dcp_best=...x step_ms=... step_slowdown=...%
         overlapped_steps=... dcp_step_slowdown=...% durable_s=... sync_s=... durable_vs_sync=...x
+        lost_s=... dcp_min_lost=<method> dcp_min_lost_s=...
 
 followed by a ``TARGETS ws<N>`` line against the targets of the async-save work (blocked <= 1.2x
 memcpy and <= 0.5x DCP's best blocked time; step slowdown <= 10%; durable <= 1.2x our synchronous
@@ -442,10 +447,32 @@ def _med(values: list[float | None]) -> float | None:
     return median(vals) if vals else None
 
 
+def training_lost(records: list[dict]) -> list[dict]:
+    """Per (world, method, rep), the slowest rank's training time lost to the save: the blocked
+    time plus, for an async save, what the steps in flight took beyond the rank's median step
+    with no save in flight (for a synchronous save or the memcpy, the blocked time alone)."""
+    base: dict[tuple[int, int], float] = {}
+    for (world, rank) in {(r["world"], r["rank"]) for r in records}:
+        steps = [r["step_s"] for r in records if (r["world"], r["rank"], r["method"]) == (world, rank, BASELINE)]
+        if steps:
+            base[world, rank] = median(steps)
+    lost: dict[tuple, float] = {}
+    for r in records:
+        if r["rep"] < 0 or r["method"] == BASELINE or r["run"] != ("training" if METHODS[r["method"]] == "async" else "durable"):
+            continue
+        extra = 0.0
+        if r.get("steps") and (r["world"], r["rank"]) in base:
+            extra = r["steps"] * (r["step_s"] - base[r["world"], r["rank"]])
+        key = (r["world"], r["method"], r["rep"])
+        lost[key] = max(lost.get(key, 0.0), r["blocked_s"] + extra)
+    return [dict(world=w, method=m, rep=rep, lost_s=v) for (w, m, rep), v in lost.items()]
+
+
 def summarize(records: list[dict]) -> dict[int, dict[str, dict]]:
     """Per world size and method: medians over the timed repetitions, spread, first save."""
     out: dict[int, dict[str, dict]] = {}
     merged = merge_ranks(records)
+    lost = training_lost(records)
     for world in sorted({r["world"] for r in merged}):
         rows: dict[str, dict] = {}
         for m in [*METHODS, BASELINE]:
@@ -467,6 +494,7 @@ def summarize(records: list[dict]) -> dict[int, dict[str, dict]]:
                 steps=_med([r.get("steps") for r in train]),
                 extra_rss=_med([r.get("extra_rss") for r in dur]),
                 held_rss=first[0].get("held_rss") if first else None,
+                lost_s=_med([r["lost_s"] for r in lost if (r["world"], r["method"]) == (world, m)]),
                 state_bytes=max(r["state_bytes"] for r in rs),
             )
         base = rows.get(BASELINE, {}).get("step_s")
@@ -487,6 +515,7 @@ def ratio_lines(summary: dict[int, dict[str, dict]]) -> list[str]:
         if not (OURS in rows and OURS_SYNC in rows and "memcpy" in rows and dcp):
             continue
         ours, best = rows[OURS], min(dcp, key=lambda m: dcp[m]["blocked_s"])
+        least = min((m for m in rows if m.startswith("dcp-")), key=lambda m: rows[m]["lost_s"])
         thread = dcp.get("dcp-thread", dcp[best])
         v = dict(
             blocked_vs_memcpy=ours["blocked_s"] / rows["memcpy"]["blocked_s"],
@@ -500,7 +529,8 @@ def ratio_lines(summary: dict[int, dict[str, dict]]) -> list[str]:
             f"blocked_vs_dcp_best={v['blocked_vs_dcp_best']:.2f}x step_ms={rows[BASELINE]['step_s'] * 1e3:.1f} "
             f"step_slowdown={v['step_slowdown']:.1f}% overlapped_steps={ours['steps'] or 0:g} "
             f"dcp_step_slowdown={thread['slowdown_pct']:.1f}% durable_s={ours['durable_s']:.4g} "
-            f"sync_s={rows[OURS_SYNC]['durable_s']:.4g} durable_vs_sync={v['durable_vs_sync']:.2f}x"
+            f"sync_s={rows[OURS_SYNC]['durable_s']:.4g} durable_vs_sync={v['durable_vs_sync']:.2f}x "
+            f"lost_s={ours['lost_s']:.4g} dcp_min_lost={least} dcp_min_lost_s={rows[least]['lost_s']:.4g}"
         )
         lines.append(f"TARGETS ws{world} " + " ".join(
             f"{k}<={t:g}{'%' if k == 'step_slowdown' else 'x'}:{'ok' if v[k] <= t else 'MISS'}" for k, t in TARGETS.items()))
@@ -517,8 +547,8 @@ def markdown(summary: dict[int, dict[str, dict]], info: dict, config: dict) -> s
         f"commit {info['commit']}; {config['mib_per_rank']:g} MiB per rank, {config['reps']} repetitions (medians), "
         f"training step: MLP {config['mlp']}, {config['elapsed_s']:.0f} s in all. State: "
         + "; ".join(f"ws{w}: {d}" for w, d in config["states"].items()) + ".\n\n"
-        "| ws | method | blocked s (min–max) | first save blocked s | durable s | durable s, training | step ms | step slowdown | steps overlapped | peak extra RSS MiB | held MiB |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| ws | method | blocked s (min–max) | first save blocked s | durable s | durable s, training | step ms | step slowdown | steps overlapped | training lost s | peak extra RSS MiB | held MiB |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = []
     for world, rows in summary.items():
@@ -528,6 +558,7 @@ def markdown(summary: dict[int, dict[str, dict]], info: dict, config: dict) -> s
                 f"| {world} | {m} | {blocked} | {_f(r['first_blocked_s'], '.4f')} | {_f(r['durable_s'], '.4f')} "
                 f"| {_f(r['durable_training_s'], '.4f')} | {_f(r['step_s'] and r['step_s'] * 1e3, '.1f')} "
                 f"| {_f(r['slowdown_pct'], '+.1f')}{'%' if r['slowdown_pct'] is not None else ''} | {_f(r['steps'], 'g')} "
+                f"| {_f(r['lost_s'], '.4f')} "
                 f"| {_f(r['extra_rss'] and r['extra_rss'] / _MiB, '.1f')} | {_f(r['held_rss'] and r['held_rss'] / _MiB, '.1f')} |"
             )
     lines = ratio_lines(summary)
@@ -560,7 +591,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/tmp/shardsafe-bench-async", help="scratch directory for the checkpoints (emptied)")
     ap.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
     ap.add_argument("--update-docs", action="store_true", help="write the table into docs/benchmarks.md")
+    ap.add_argument("--from-json", metavar="PATH", help="only redo the outputs from an earlier run's async.json")
     args = ap.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            old = json.load(f)
+        return _outputs(args, old["records"], old["machine"], old["config"])
     if args.methods is None:
         import torch
 
@@ -588,7 +624,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(cfg.root, ignore_errors=True)
     config = dict(asdict(cfg), world_sizes=worlds, elapsed_s=round(time.time() - t0, 1),
                   states={w: training_spec(int(mib * _MiB * w))[1] for w in worlds})
-    info = machine()
+    return _outputs(args, records, machine(), config)
+
+
+def _outputs(args: argparse.Namespace, records: list[dict], info: dict, config: dict) -> int:
     summary = summarize(records)
     table = markdown(summary, info, config)
     os.makedirs(args.out, exist_ok=True)
