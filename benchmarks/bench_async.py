@@ -5,7 +5,7 @@ save and against the memcpy limit, interleaved in one run.
 Usage::
 
     python benchmarks/bench_async.py [--mib-per-rank 256] [--reps 5] [--world-sizes 2,4]
-        [--methods NAME,...] [--quick] [--dir /tmp/shardsafe-bench-async] [--out benchmarks/results]
+        [--methods NAME,...] [--mlp W,H,B] [--threads N] [--quick] [--dir /tmp/shardsafe-bench-async] [--out benchmarks/results]
         [--update-docs] [--from-json PATH]
 
 For each world size, one process per rank (gloo on a free port) holds an FSDP2-style training
@@ -126,6 +126,7 @@ class Config:
     methods: tuple[str, ...]
     baseline_steps: int  # steps of the no-save peer per repetition
     mlp: tuple[int, int, int]  # (width, hidden, batch) of the training step
+    threads: int | None = None  # torch threads per rank; None: cores // world size, at least 1
 
 
 # ---------------------------------------------------------------- the state
@@ -298,7 +299,7 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
     from iobench.states import build_state, local_bytes
     from torch.distributed.device_mesh import init_device_mesh
 
-    threads = max(1, (os.cpu_count() or 1) // world)
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # where DCP's checkpoint process finds its store
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -587,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=None, help="comma-separated subset of: " + ", ".join(METHODS)
                     + " (default: all that run here; " + ", ".join(CUDA_ONLY) + " needs CUDA)")
     ap.add_argument("--mlp", default="512,2048,128", help="width,hidden,batch of the training step's MLP")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores // world size)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 8 MiB per rank, 3 repetitions")
     ap.add_argument("--dir", default="/tmp/shardsafe-bench-async", help="scratch directory for the checkpoints (emptied)")
     ap.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
@@ -610,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     if set(methods) - set(METHODS) or reps < 1 or mib <= 0 or len(mlp) != 3 or not worlds or min(worlds) < 1:
         ap.error(f"bad --methods {sorted(set(methods) - set(METHODS))}, --reps {reps}, --mib-per-rank {mib}, --mlp or --world-sizes")
     cfg = Config(root=args.dir, mib_per_rank=mib, reps=reps, methods=methods,
-                 baseline_steps=6 if args.quick else 15, mlp=mlp)  # type: ignore[arg-type]
+                 baseline_steps=6 if args.quick else 15, mlp=mlp, threads=args.threads)  # type: ignore[arg-type]
 
     shutil.rmtree(cfg.root, ignore_errors=True)
     os.makedirs(cfg.root)
