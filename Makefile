@@ -54,3 +54,12 @@ bench-quick: $(BENCH_STAMP)
 .PHONY: bench-s3
 bench-s3: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_object_store.py
+
+# Async save: time the training loop is blocked, step slowdown with a save in flight, time to
+# durable; shardsafe's async_save against DCP's async saves and a memcpy, on 2 and 4 ranks
+.PHONY: bench-async bench-async-quick
+bench-async: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_async.py --update-docs
+
+bench-async-quick: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_async.py --quick
