@@ -96,7 +96,8 @@ def _save_model_and_optim(
     ckpt = Checkpointer(knobs=knobs)
     storage = open_storage(dir)
     state = model_and_optim_values(model, optim)
-    comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s)
+    # an async save's ranks meet in the background (see async_save_state)
+    comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s, arrive=not background)
     if not background:
         return ckpt._save(storage, state, save_overwrite, comm)[1]
     return ckpt._async_save(storage, state, save_overwrite, comm, result=lambda out: out[1])

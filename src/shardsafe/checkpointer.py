@@ -86,7 +86,7 @@ class Checkpointer:
         check_arg("Checkpointer.async_save", "state_dict", state_dict, dict)
         check_bool("Checkpointer.async_save", "save_overwrite", save_overwrite)
         storage = open_storage(dir)
-        comm = self._comm("async_save", False, process_group)
+        comm = self._comm("async_save", False, process_group, arrive=False)  # the ranks meet in the background
         return self._async_save(storage, state_dict, save_overwrite, comm)
 
     def _async_save(
@@ -208,9 +208,11 @@ class Checkpointer:
         storage = open_storage(dir)
         return _read_metadata(storage, self._comm("get_metadata", no_dist, process_group))
 
-    def _comm(self, method: str, no_dist: bool, process_group: ProcessGroup | None) -> Comm:
+    def _comm(self, method: str, no_dist: bool, process_group: ProcessGroup | None, *, arrive: bool = True) -> Comm:
         """The ranks of this call, once every one of them has called (see :func:`shardsafe.dist.get_comm`)."""
-        return get_comm(no_dist, process_group, call=f"shardsafe.Checkpointer.{method}", timeout_s=self.knobs.collective_timeout_s)
+        return get_comm(
+            no_dist, process_group, call=f"shardsafe.Checkpointer.{method}", timeout_s=self.knobs.collective_timeout_s, arrive=arrive
+        )
 
 
 def _read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:

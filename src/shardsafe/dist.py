@@ -535,13 +535,15 @@ def get_comm(
     *,
     call: str | None = None,
     timeout_s: float | None = None,
+    arrive: bool = True,
 ) -> Comm:
     """The ``Comm`` of one public call.
 
     Distributed when ``torch.distributed`` is initialized, ``no_dist`` is False and the group
     (``process_group``, default: every rank) has more than one rank. With ``call`` (the public
     function's name, for messages) every rank first checks in (:meth:`Comm.arrive`), waiting at
-    most ``timeout_s`` seconds (default ``KNOBS.collective_timeout_s``) for the others.
+    most ``timeout_s`` seconds (default ``KNOBS.collective_timeout_s``) for the others, unless
+    ``arrive`` is False (the caller checks in later itself, as an async save does in the background).
     """
     if no_dist or not (dist.is_available() and dist.is_initialized()):
         return Comm(None, call=call or "shardsafe")
@@ -552,6 +554,6 @@ def get_comm(
             f"(ranks {dist.get_process_group_ranks(group)}); only the group's ranks may call it"
         )
     comm = Comm(group, call=call or "shardsafe")
-    if call is not None:
+    if call is not None and arrive:
         comm.arrive(KNOBS.collective_timeout_s if timeout_s is None else timeout_s)
     return comm

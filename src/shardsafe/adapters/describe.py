@@ -10,6 +10,7 @@ taking it for a replicated tensor could store one rank's part as the whole.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -121,22 +122,38 @@ def _check_tensor(key: str, t: torch.Tensor) -> None:
 
 
 def _describe_dtensor(key: str, value: DTensor) -> LocalTensor:
-    local = value.to_local().detach()
+    local = value._local_tensor.detach()  # not to_local(): no autograd node per tensor per save
     _check_tensor(key, local)
     shape = tuple(value.shape)
     mesh = value.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not in the mesh: it holds nothing of the tensor
         return LocalTensor(key, local.dtype, dtype_name(local.dtype, key=key), shape, [], [])
-    dims = dtensor_intervals(key, shape, tuple(mesh.shape), tuple(coord), value.placements)
-    local_shape = tuple(sum(n for _, n in iv) for iv in dims)
+    placements = tuple(value.placements)
+    try:
+        local_shape, pieces, slices = _dtensor_layout(shape, tuple(mesh.shape), tuple(coord), placements)
+    except ShardingError:  # again, for a message that names the key
+        dtensor_intervals(key, shape, tuple(mesh.shape), tuple(coord), placements)
+        raise
     if tuple(local.shape) != local_shape:
         raise ShardingError(
             f"key {key!r}: DTensor local shape {list(local.shape)} differs from {list(local_shape)} implied by "
             f"placements {value.placements} on mesh {tuple(mesh.shape)} at coordinate {tuple(coord)}"
         )
+    views = [local if sl is None else local[sl] for sl in slices]
+    return LocalTensor(key, local.dtype, dtype_name(local.dtype, key=key), shape, list(pieces), views)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dtensor_layout(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...], placements: tuple[Any, ...]
+) -> tuple[tuple[int, ...], tuple[Piece, ...], tuple[tuple[slice, ...] | None, ...]]:
+    """This rank's local shape, pieces and the slice of the local tensor holding each (None: all
+    of it), for a DTensor layout: the same for every tensor of a layer, and from save to save."""
+    dims = dtensor_intervals("", shape, mesh_shape, coord, placements)
+    local_shape = tuple(sum(n for _, n in iv) for iv in dims)
     pieces: list[Piece] = []
-    views: list[torch.Tensor] = []
+    slices: list[tuple[slice, ...] | None] = []
     # each dim's intervals sit back to back in local coordinates
     local_starts = []
     for iv in dims:
@@ -150,10 +167,10 @@ def _describe_dtensor(key: str, value: DTensor) -> LocalTensor:
         lens = tuple(dims[d][k][1] for d, k in enumerate(combo))
         if 0 in lens:
             continue
-        sl = tuple(slice(local_starts[d][k], local_starts[d][k] + lens[d]) for d, k in enumerate(combo))
         pieces.append((off, lens, None))
-        views.append(local[sl] if sl else local)
-    return LocalTensor(key, local.dtype, dtype_name(local.dtype, key=key), shape, pieces, views)
+        whole = lens == local_shape
+        slices.append(None if whole else tuple(slice(local_starts[d][k], local_starts[d][k] + lens[d]) for d, k in enumerate(combo)))
+    return local_shape, tuple(pieces), tuple(slices)
 
 
 def dtensor_intervals(

@@ -16,6 +16,7 @@ finished (the caller may then change the tensors).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -26,17 +27,18 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["RINGS", "RingAborted", "StagingRing", "Unit", "UnitQueue", "live_units", "stage"]
+__all__ = ["RINGS", "RingAborted", "StagingRing", "Unit", "UnitQueue", "live_units", "stage", "stage_pieces"]
 
 _ALIGN = 64  # every unit starts on a 64-byte boundary: any dtype may view it
 
 
 @dataclass(slots=True)
 class Unit:
-    """Bytes of write item ``index``, in order; ``data`` is valid until ``release()`` is called."""
+    """Bytes of write item ``index``, in order (a memoryview, or a 1-D uint8 host tensor); valid
+    until ``release()`` is called."""
 
     index: int
-    data: memoryview
+    data: Any
     release: Callable[[], None] | None = None
     ready: Any = None  # a CUDA event to wait on before reading ``data``, or None
 
@@ -76,8 +78,9 @@ class StagingRing:
             return 0 if n <= oldest else None
         return head if head + n <= oldest else None  # wrapped: free space is [head, oldest)
 
-    def alloc(self, nbytes: int) -> int:
-        """The offset of ``nbytes`` free bytes (aligned); waits until the consumer frees enough."""
+    def alloc(self, nbytes: int, *, wait: bool = True) -> int:
+        """The offset of ``nbytes`` free bytes (aligned); waits until the consumer frees enough
+        (or, with ``wait=False``, raises ``ValueError`` when they are not free now)."""
         n = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
         if n > self.capacity:
             raise ValueError(f"a staging unit of {nbytes} bytes does not fit the {self.capacity}-byte staging buffer")
@@ -89,6 +92,8 @@ class StagingRing:
                 if start is not None:
                     self._live.append((start, start + n))
                     return start
+                if not wait:
+                    raise ValueError(f"a staging unit of {nbytes} bytes does not fit what is left of the {self.capacity}-byte staging buffer")
                 self.waited += 1
                 if self.on_wait is not None:
                     self.on_wait()
@@ -115,7 +120,7 @@ def item_data(item: Any, local: dict[str, Any]) -> torch.Tensor:
     if item.flat is None and (item.offsets, item.lengths) != (piece_off, piece_lens):  # part of a split replica
         start = item.offsets[0] - piece_off[0]
         view = view[start : start + item.lengths[0]]
-    return view.detach()
+    return view  # describe_state's views are detached already
 
 
 def check_size(item: Any, data: torch.Tensor) -> None:
@@ -147,6 +152,7 @@ def live_units(items: tuple[Any, ...], local: dict[str, Any], block: int) -> Ite
             yield Unit(j, memoryview(flat[pos : pos + block].numpy()))  # the view keeps the memory alive
 
 
+@torch.no_grad()
 def stage(items: tuple[Any, ...], local: dict[str, Any], ring: StagingRing, block: int, put: Callable[[Unit], None]) -> None:
     """Copy every item's bytes into ``ring`` and ``put`` each unit (for the consumer); returns once
     every copy is complete, so the caller may change its tensors."""
@@ -165,6 +171,9 @@ def stage(items: tuple[Any, ...], local: dict[str, Any], ring: StagingRing, bloc
             _copy_unit(ring, j, data, nbytes, stream, put)
             continue
         flat = _flat_bytes(data if data.is_contiguous() else data.contiguous())
+        if nbytes <= block:
+            _copy_unit(ring, j, flat, nbytes, stream, put)
+            continue
         for pos in range(0, nbytes, block):
             part = flat[pos : pos + block]
             _copy_unit(ring, j, part, part.numel(), stream, put)
@@ -185,7 +194,37 @@ def _copy_unit(ring: StagingRing, j: int, src: torch.Tensor, nbytes: int, stream
             ready.record(stream)
     else:
         target.copy_(src)
-    put(Unit(j, memoryview(dst.numpy()), ring.free, ready))
+    put(Unit(j, dst, ring.free, ready))  # the writer takes the memoryview: less Python in the caller's thread
+
+
+@torch.no_grad()
+def stage_pieces(tensors: list[Any], ring: StagingRing) -> list[Any]:
+    """Copy every piece of every tensor (``LocalTensor``s) into ``ring``, which must hold them all;
+    returns the same descriptions with views on the copies (contiguous, in host memory)."""
+    stream = None
+    out = []
+    for t in tensors:
+        views = []
+        for v in t.views:
+            nbytes = v.numel() * v.element_size()
+            if nbytes == 0:
+                views.append(torch.empty(v.shape, dtype=v.dtype))
+                continue
+            if v.device.type == "cuda" and stream is None:
+                stream = torch.cuda.Stream(device=v.device)
+                stream.wait_stream(torch.cuda.current_stream(v.device))
+            start = ring.alloc(nbytes, wait=False)
+            dst = ring.buf[start : start + nbytes].view(v.dtype).view(v.shape)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    dst.copy_(v, non_blocking=True)
+            else:
+                dst.copy_(v)
+            views.append(dst)
+        out.append(dataclasses.replace(t, views=views))
+    if stream is not None:
+        stream.synchronize()
+    return out
 
 
 class UnitQueue:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -43,7 +44,7 @@ from . import plan_cache
 from .background import AsyncSave, before_save, run_in_background
 from .buffers import WriteBehind
 from .objects import encode_objects, merge_rank_objects
-from .staging import RINGS, RingAborted, Unit, UnitQueue, live_units, stage
+from .staging import RINGS, RingAborted, Unit, UnitQueue, live_units, stage, stage_pieces
 
 __all__ = ["async_save_state", "save_state"]
 
@@ -66,14 +67,74 @@ def async_save_state(
     storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
     result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None = None,
 ) -> AsyncSave[Any]:
-    """Plan in the caller's thread, stage this rank's bytes into a reused buffer, and return; the
-    write and the commit go on in the background (see :mod:`.background`). The save's outcome is
-    what :func:`save_state` returns, passed through ``result`` if given."""
+    """Stage this rank's state into a reused buffer and return; the planning, the write and the
+    commit go on in the background (see :mod:`.background`). The save's outcome is what
+    :func:`save_state` returns, passed through ``result`` if given.
+
+    ``comm`` has not checked in yet (see :func:`~shardsafe.dist.get_comm`): when the rank's
+    tensors fit ``knobs.async_staging_bytes``, the caller is blocked only for describing them and
+    copying them (every byte the rank holds, replicas included: the plan that would say which
+    replica writes what needs the other ranks), and the ranks meet in the background, on a group
+    of their own. Otherwise the plan is made first, in the caller's thread, and only this rank's
+    share is staged, in parts.
+    """
     before_save(storage.url, max_in_flight=knobs.async_max_in_flight)
     side = background_comm(comm, timeout_s=knobs.collective_timeout_s)
+    tensors, objects = describe_state(state_dict)
+    total = sum(_aligned(v.numel() * v.element_size()) for t in tensors for v in t.views)
+    pinned = any(v.device.type == "cuda" for t in tensors for v in t.views)
+    if total > knobs.async_staging_bytes:
+        comm.arrive(knobs.collective_timeout_s)
+        return _async_save_in_parts(storage, state_dict, save_overwrite, allow_pickle, comm, side, knobs, result)
+    encoded = encode_objects(objects, allow_pickle=allow_pickle)  # a snapshot of the values, too
+    ring = RINGS.acquire(total, pinned=pinned)
+    staged: list[Any] = []
+
+    def produce() -> None:
+        try:
+            staged.append(stage_pieces(tensors, ring))
+        except BaseException as e:
+            staged.append(e)
+            raise
+        finally:
+            ready.set()
+
+    def described() -> tuple[list[LocalTensor], tuple[dict[str, Any], dict[str, str]]]:
+        ready.wait()
+        if isinstance(staged[0], BaseException):
+            raise CheckpointError(
+                f"staging this rank's state failed ({type(staged[0]).__name__}: {staged[0]}), so the save was abandoned"
+            ) from staged[0]
+        return staged[0], encoded
+
+    def consume() -> Any:
+        try:
+            side.arrive(knobs.collective_timeout_s)
+            p = _prepare(storage, {}, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=side, knobs=knobs, described=described)
+            out = _finish(p, side, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)))
+        finally:
+            ready.wait()  # the staging copies are done (or failed): the buffer may be reused
+            RINGS.release(ring)
+        return result(out) if result is not None else out
+
+    ready = threading.Event()
+    return run_in_background(storage.url, produce, consume, name="shardsafe-save")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _async_save_in_parts(
+    storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, allow_pickle: bool, comm: Comm, side: Comm,
+    knobs: Knobs, result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None,
+) -> AsyncSave[Any]:
+    """An async save of a rank whose state exceeds the staging budget: plan first (in the caller's
+    thread, with ``comm``), then stage only this rank's share through the buffer as the writer
+    frees it."""
     p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
     items = p.mine.items
-    total = sum(-(-(it.byte_range[1] - it.byte_range[0]) // 64) * 64 for it in items)
+    total = sum(_aligned(it.byte_range[1] - it.byte_range[0]) for it in items)
     pinned = any(p.local[it.key].views[it.piece_index].device.type == "cuda" for it in items)
     # at least two checksum blocks, whatever the budget: a unit is whole blocks (but the last of an item)
     ring = RINGS.acquire(min(total, max(knobs.async_staging_bytes, 2 * knobs.checksum_block_bytes)), pinned=pinned)
@@ -130,8 +191,11 @@ def _unit_bytes(knobs: Knobs, capacity: int | None) -> int:
 
 
 def _prepare(
-    storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs
+    storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
+    described: Callable[[], tuple[list[LocalTensor], tuple[dict[str, Any], dict[str, str]]]] | None = None,
 ) -> _Prepared:
+    """Describe (or take ``described()``: the tensors and the encoded values), gather, plan and
+    scatter: every rank gets its share of the plan."""
     local: dict[str, LocalTensor] = {}
     key = (tuple(comm.global_ranks), knobs.replica_split_bytes)
     cached = plan_cache.lookup(key)
@@ -139,11 +203,15 @@ def _prepare(
 
     def describe(full: bool) -> _RankDescription:
         if not mine_desc:
-            tensors, objects = describe_state(state_dict)
+            if described is None:
+                tensors, objects = describe_state(state_dict)
+                encoded = encode_objects(objects, allow_pickle=allow_pickle)
+            else:
+                tensors, encoded = described()
             local.update((t.key, t) for t in tensors)
             descs = [TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors]
             mine_desc.update(descs=descs, digest=plan_cache.describe_digest(descs))
-            mine_desc["objects"] = encode_objects(objects, allow_pickle=allow_pickle)
+            mine_desc["objects"] = encoded
         same = not full and cached.digest == mine_desc["digest"]  # the coordinator has it from last time
         descs = None if same else mine_desc["descs"]
         return _RankDescription(descs, mine_desc["digest"], cached.rank_plan_id, mine_desc["objects"], storage.url)
@@ -390,8 +458,9 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
         for u in units:
             if u.ready is not None:
                 u.ready.synchronize()
-            digest_blocks(u.data, cblock, digests[u.index])  # before the unit can be released
-            behind.write(u.data, u.release)
+            data = u.data if isinstance(u.data, memoryview) else memoryview(u.data.numpy())
+            digest_blocks(data, cblock, digests[u.index])  # before the unit can be released
+            behind.write(data, u.release)
     return [encode_digests(d) for d in digests]
 
 
