@@ -22,7 +22,7 @@ from shardsafe.dcp import UnsafePickleError
 
 from .distributed import run_ranks
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
 
 
 def assert_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -157,7 +157,11 @@ def test_dcp_save_through_writer_is_a_shardsafe_checkpoint(tmp_path, asynchronou
             assert_bits(got[f"optim.state.{fqn}.{name}"], t, f"{fqn}.{name}")
     assert got["optim.param_groups.0.betas"] == (0.8, 0.95) and got["counter.n"] == 3
 
-    if asynchronous:
+    if asynchronous:  # one rank, through DCP: get_state_dict -> dcp.load -> set_state_dict
+        out = str(tmp_path / "loaded.pt")
+        counters = run_ranks(1, _dcp_load_fsdp, path, out, True)
+        _compare_states(torch.load(out), want)
+        assert counters[0][0] == {"n": 3, "history": [0.0, 0.5, 1.0]}
         return
     # resharded: 4 ranks, columns instead of FSDP's rows, through Checkpointer
     shapes = {"model.0.weight": (24, 16), "optim.state.2.weight.exp_avg_sq": (10, 24)}
@@ -261,6 +265,40 @@ def test_reader_checks_checksums(tmp_path):
         dcp.load(sd, storage_reader=shardsafe.dcp.StorageReader(path), no_dist=True)
     cause = _dcp_failure(info.value)
     assert isinstance(cause, CorruptCheckpointError) and "checksum mismatch" in str(cause) and "'w'" in str(cause)
+
+
+def test_reader_converts_dtypes_and_rebuilds_state_dicts_from_metadata(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    path = str(tmp_path / "ckpt")
+    Checkpointer().save(path, {"w": full("w", (5, 4)), "optim.param_groups": [{"lr": 0.1, "params": ["w"]}], "step": 3})
+    target = {"w": torch.zeros(5, 4, dtype=torch.bfloat16)}
+    dcp.load(target, storage_reader=shardsafe.dcp.StorageReader(path), no_dist=True)
+    assert_bits(target["w"], full("w", (5, 4)).to(torch.bfloat16), "w")  # as DCP's FileSystemReader converts
+
+    # a state dict built from the metadata alone (DCP's _EmptyStateDictLoadPlanner, as dcp_to_torch_save uses)
+    rebuilt = _load_state_dict_from_keys(storage_reader=shardsafe.dcp.StorageReader(path))
+    assert sorted(rebuilt) == ["optim.param_groups", "step", "w"]
+    assert rebuilt["optim.param_groups"] == [{"lr": 0.1, "params": ["w"]}] and rebuilt["step"] == 3
+    assert_bits(rebuilt["w"], full("w", (5, 4)), "w")
+
+
+def test_plan_caching_never_reuses_a_file_name(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    names = []
+    for i in range(3):  # DCP replays its cached plan (with the first save's file assignment) from the second save on
+        path = str(tmp_path / ("same" if i else "first"))
+        sd = {"w": full("w", (6, 2)) + i, "step": i}
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(sd, storage_writer=shardsafe.dcp.StorageWriter(path, overwrite=True), planner=planner, no_dist=True)
+        assert not shardsafe.verify(path).errors
+        got = Checkpointer().unshard(path)
+        assert_bits(got["w"], full("w", (6, 2)) + i, "w") and got["step"] == i
+        names += [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    assert len(set(names)) == 3
 
 
 def _dcp_failure(e: BaseException) -> BaseException:

@@ -281,13 +281,14 @@ class _OurCheckpoint:
         self.meta = meta
         self._indexes: dict[str, StoredIndex] = {}
         self._segments: dict[str, dict[tuple[int, ...], Any]] = {}
-        self.values: dict[str, tuple[str, tuple[str | int, ...]]] = {}  # DCP key -> (stored key, path inside its value)
-        for key in [*meta.objects, *meta.pickled_objects]:
-            self.values[key] = (key, ())
+        # DCP key -> (stored key, path inside its value): the leaves DCP's flattening of a state
+        # dict holding the value would name (a value that is a leaf itself: its own key). Pickled
+        # values cannot be looked into unpickled: they are shown whole.
+        self.values: dict[str, tuple[str, tuple[str | int, ...]]] = {key: (key, ()) for key in meta.pickled_objects}
         taken = set(meta.tensors) | set(self.values)
         for key, value in meta.objects.items():
             for leaf, path in dcp_leaves(key, value):
-                if path and leaf not in taken:
+                if leaf not in taken:  # (a stored key that equals another value's leaf: the first one named)
                     self.values[leaf] = (key, path)
                     taken.add(leaf)
 
