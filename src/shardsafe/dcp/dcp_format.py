@@ -30,7 +30,18 @@ from ..errors import CorruptCheckpointError, PickleNotAllowedError, UnsafePickle
 from ..storage import Storage
 from ..storage.base import DCP_METADATA, check_name
 
-__all__ = ["DCP_METADATA", "DcpCheckpoint", "SafeUnpickler", "load_dcp_metadata", "read_dcp_checkpoint"]
+__all__ = [
+    "DCP_METADATA",
+    "DcpCheckpoint",
+    "DcpItem",
+    "SafeUnpickler",
+    "check_dcp_metadata",
+    "load_dcp_metadata",
+    "load_tensor",
+    "load_value",
+    "read_dcp_checkpoint",
+    "read_item",
+]
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, frozenset[str]] = {
@@ -126,12 +137,6 @@ class DcpCheckpoint:
     values: dict[str, DcpItem]
     """key -> where the ``torch.save`` of a non-tensor value lies"""
     where: str
-
-    @property
-    def files(self) -> list[str]:
-        names = {it.file for _, _, chunks in self.tensors.values() for _, _, it in chunks}
-        names |= {it.file for it in self.values.values()}
-        return sorted(names)
 
 
 def read_dcp_checkpoint(storage: Storage, raw: bytes | None = None) -> DcpCheckpoint:

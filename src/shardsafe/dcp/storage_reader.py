@@ -50,6 +50,7 @@ from ..engine.background import wait_for_location
 from ..engine.objects import decode_objects
 from ..engine.reader import Reader
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ShapeMismatchError
+from ..format.dtypes import dtype_name
 from ..format.metadata import METADATA_FILENAME, StorageMetadata
 from ..knobs import KNOBS, Knobs
 from ..planning.read_plan import ReadItem as OurReadItem
@@ -192,7 +193,7 @@ class StorageReader(_DcpStorageReader):
                     )
                 buf = dest if dest.dtype == dtype else torch.empty(lengths, dtype=dtype)  # converted when done, as DCP does
                 zeros = (0,) * len(lengths)
-                target = LocalTensor(it.dest_index.fqn, dtype, str(dtype), lengths, [(zeros, lengths, None)], [buf])
+                target = LocalTensor(it.dest_index.fqn, dtype, dtype_name(dtype), lengths, [(zeros, lengths, None)], [buf])
                 pending[id(target)] = (it, dest, buf)
                 yield [seg.read_item(tuple(it.storage_offsets), lengths)], target
 

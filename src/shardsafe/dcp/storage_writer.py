@@ -24,6 +24,7 @@ was; the failed save's data files stay until the next save there commits and rem
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
@@ -250,7 +251,7 @@ class StorageWriter(_DcpStorageWriter):
         else:  # a planner of its own: what it resolves is what is stored
             value = value_of(planner.resolve_data(item), key, allow_pickle=self.allow_pickle)
         as_json, pickled = encode_objects({key: value}, allow_pickle=self.allow_pickle)
-        size = len(pickled.get(key, "")) or len(repr(as_json.get(key)))
+        size = len(pickled[key]) if key in pickled else len(json.dumps(as_json[key]))
         return WriteResult(index=item.index, size_in_bytes=size, storage_data=_StoredValue(as_json, pickled))
 
     def _write_file(self, file: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
