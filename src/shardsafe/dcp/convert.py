@@ -3,8 +3,8 @@
 Each DCP data file (``__<rank>_<n>.distcp``) becomes one safetensors data file holding the same
 chunks, in the same order; each chunk is read once (exactly its byte range), loaded with
 ``torch.load(weights_only=True)``, checked against the metadata, digested block by block and
-written. Memory is bounded by the largest stored chunk (about twice it: the archive and the
-tensor). ``metadata.json`` is committed last, by the same compare-and-swap as a save, so an
+written while the next one is read. Memory is bounded by the largest stored chunk (a small
+multiple of it: the chunk being written, one queued, and the archive and tensor being loaded). ``metadata.json`` is committed last, by the same compare-and-swap as a save, so an
 interrupted conversion leaves no checkpoint at ``dst`` (and a committed one there untouched).
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from math import prod
 
 from .._args import check_bool
-from ..engine.buffers import byte_view
+from ..engine.buffers import WriteBehind, byte_view
 from ..engine.objects import encode_objects
 from ..engine.writer import _committed_version, _CommitUnknownError, _put_metadata, _sweep
 from ..errors import CheckpointExistsError, CorruptCheckpointError, ShardingError, StorageError
@@ -104,7 +104,7 @@ def convert(
     try:
         for name, chunks, entries, layout in plans:
             written.append(name)
-            with out.write_file(name) as w:
+            with out.write_file(name) as raw_out, WriteBehind(raw_out, depth=1) as w:  # one chunk written while the next loads
                 w.write(memoryview(layout.header))
                 for (key, off, lens, loc), entry, byte_range in zip(chunks, entries, layout.byte_ranges):
                     dtype = ckpt.tensors[key][0]
