@@ -22,6 +22,7 @@ __all__ = [
     "ShapeMismatchError",
     "ShardingError",
     "StorageError",
+    "UnsafePickleError",
 ]
 
 
@@ -57,6 +58,11 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes or metadata are damaged: bad checksum, truncated file, invalid metadata."""
+
+
+class UnsafePickleError(CorruptCheckpointError):
+    """A pickle in a checkpoint (torch.distributed.checkpoint's ``.metadata``) names a class or
+    function outside the allowlist of what such a file holds; nothing of it was run."""
 
 
 class MissingKeyError(CheckpointError, KeyError):

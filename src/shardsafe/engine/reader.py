@@ -38,6 +38,8 @@ from .buffers import Scratch, byte_view, can_read_into
 __all__ = ["Reader"]
 
 _WINDOW = 64  # tasks in flight in load_tensors (in-place reads need no memory; scratch is per thread)
+_DONE: Future = Future()  # marks the end of a target's reads in load_planned's queue
+_DONE.set_result(None)
 
 
 class Reader:
@@ -75,18 +77,41 @@ class Reader:
         are in flight. On an error, reads already started finish (they write into target
         memory) before it is raised.
         """
-        pending: deque[tuple[str, Future]] = deque()
+        self.load_planned((self._plan(meta, target), target) for meta, target in pairs)
+
+    def load_planned(
+        self,
+        batches: Iterable[tuple[list[ReadItem], LocalTensor]],
+        done: Callable[[LocalTensor], None] | None = None,
+    ) -> None:
+        """Fill each target from read items already planned against it (as :func:`plan_reads`
+        makes them); ``done(target)`` is called, in order, once every read of a target has
+        completed. All are complete (or an error raised) on return; ``batches`` is consumed
+        lazily, at most about ``_WINDOW`` tasks ahead of the reads.
+        """
+        pending: deque[tuple[str, Future, LocalTensor | None]] = deque()
+
+        def pop() -> None:
+            key, f, finished = pending.popleft()
+            self._finish(key, f)
+            if finished is not None and done is not None:
+                done(finished)
+
         try:
-            for meta, target in pairs:
-                for item in self._plan(meta, target):
-                    for task in self._tasks(item, target):
-                        pending.append((target.key, self._submit(task)))
-                        while len(pending) > _WINDOW:
-                            self._finish(*pending.popleft())
+            for items, target in batches:
+                itemsize = target.dtype.itemsize
+                for item in items:
+                    for part in self._split(item, itemsize, target):
+                        for task in self._tasks(part, target):
+                            pending.append((target.key, self._submit(task), None))
+                            while len(pending) > _WINDOW:
+                                pop()
+                if done is not None:
+                    pending.append((target.key, _DONE, target))
             while pending:
-                self._finish(*pending.popleft())
+                pop()
         except BaseException:
-            futures = [f for _, f in pending]
+            futures = [f for _, f, _ in pending]
             for f in futures:
                 f.cancel()
             wait(futures)
@@ -101,8 +126,7 @@ class Reader:
                     f"key {target.key!r}: the checkpoint covers {got} of the {need} elements of the piece at "
                     f"{list(off)} shape {list(lens)}; its chunks do not tile the tensor"
                 )
-        itemsize = target.dtype.itemsize
-        return [part for item in items for part in self._split(item, itemsize, target)]
+        return items
 
     def _submit(self, task: Callable[[], None]) -> Future:
         if self.pool is not None:

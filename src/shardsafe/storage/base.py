@@ -111,8 +111,13 @@ def check_local_path(path: str) -> str:
     return path
 
 
+DCP_METADATA = ".metadata"
+"""torch.distributed.checkpoint's metadata file: the one name starting with a dot that is allowed
+(``shardsafe.dcp`` reads DCP checkpoints)."""
+
+
 def check_name(name: str) -> str:
-    if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
+    if not name or "/" in name or "\\" in name or name in (".", "..") or (name.startswith(".") and name != DCP_METADATA):
         raise StorageError(f"refusing file name {name!r}: only plain names inside the checkpoint root are allowed")
     return name
 

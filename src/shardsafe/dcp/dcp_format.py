@@ -1,0 +1,277 @@
+"""Reading checkpoints that torch.distributed.checkpoint wrote (``FileSystemWriter``, and the
+fsspec writer: a ``.metadata`` file beside ``__<rank>_<n>.distcp`` data files), without running
+foreign code.
+
+``.metadata`` is a pickle of DCP's ``Metadata``. It is read with :class:`SafeUnpickler`, which
+admits only DCP's own metadata classes, the torch types they hold (``torch.Size``, dtypes,
+layouts) and ``pathlib`` paths; any other class or function is refused with
+:class:`~shardsafe.errors.UnsafePickleError` naming it, before anything of it runs. The result
+is then checked field by field (types, sizes, plain file names), so the rest of the code can
+trust it.
+
+Each stored item is a byte range of a data file: a tensor chunk as a ``torch.save`` archive, read
+with ``torch.load(weights_only=True)``; a non-tensor value as ``torch.save`` of the object, read
+the same way (torch's allowlist of plain containers and scalars), and with the full unpickler
+only when the caller opted in. DCP stores no checksums: what these files hold is checked for
+form (an archive, the dtype and shape the metadata names), not for damage.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError, PickleNotAllowedError, UnsafePickleError
+from ..storage import Storage
+from ..storage.base import DCP_METADATA, check_name
+
+__all__ = [
+    "DCP_METADATA",
+    "DcpCheckpoint",
+    "DcpItem",
+    "SafeUnpickler",
+    "check_dcp_metadata",
+    "load_dcp_metadata",
+    "load_tensor",
+    "load_value",
+    "read_dcp_checkpoint",
+    "read_item",
+]
+
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[str, frozenset[str]] = {
+    _DCP_META: frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    # DCP of torch < 2.2 kept TensorProperties here
+    "torch.distributed._shard.sharded_tensor.metadata": frozenset({"TensorProperties", "MEM_FORMAT_ENCODING"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # a layout by name: torch.strided
+    "torch": frozenset({"Size"}),  # and dtypes, below
+    "pathlib": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),  # StorageMeta.checkpoint_id
+    "pathlib._local": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),  # Python >= 3.13
+    "collections": frozenset({"OrderedDict"}),
+}
+_DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive format
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """An unpickler for DCP's ``.metadata``: classes outside an allowlist are refused by name.
+
+    ``where`` names the file in errors.
+    """
+
+    def __init__(self, file: io.BytesIO, *, where: str) -> None:
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _ALLOWED.get(module, frozenset())
+        if name in allowed or (module == "torch" and name in _DTYPES):
+            try:
+                return getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError):
+                raise CorruptCheckpointError(
+                    f"{self.where}: names {module}.{name}, which this torch does not have (written by another torch version?)"
+                ) from None
+        raise UnsafePickleError(
+            f"{self.where}: the pickle names {module}.{name}, which is not one of the classes a torch.distributed.checkpoint "
+            "metadata file holds; refusing to load it (nothing of it was run). The file was not written by DCP, or was "
+            "tampered with"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"{self.where}: the pickle uses persistent ids, which DCP metadata never does; refusing it")
+
+
+def load_dcp_metadata(raw: bytes, *, where: str) -> Any:
+    """DCP's ``Metadata`` from the bytes of ``.metadata``, unpickled with :class:`SafeUnpickler`
+    and checked (raises ``UnsafePickleError`` or ``CorruptCheckpointError``)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        meta = SafeUnpickler(io.BytesIO(raw), where=where).load()
+    except UnsafePickleError:
+        raise
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything a damaged pickle makes the unpickler raise
+        raise CorruptCheckpointError(f"{where}: not a readable torch.distributed.checkpoint metadata file: {type(e).__name__}: {e}") from None
+    if not isinstance(meta, Metadata):
+        raise CorruptCheckpointError(f"{where}: holds a {type(meta).__name__}, not a torch.distributed.checkpoint Metadata")
+    return meta
+
+
+@dataclass(frozen=True, slots=True)
+class DcpItem:
+    """Where one stored item of a DCP checkpoint lies."""
+
+    key: str
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DcpCheckpoint:
+    """A DCP checkpoint's metadata, checked, with each stored item's location."""
+
+    metadata: Any  # torch.distributed.checkpoint.metadata.Metadata
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...], DcpItem]]]]
+    """key -> (dtype, global shape, [(chunk offsets, chunk sizes, where)])"""
+    values: dict[str, DcpItem]
+    """key -> where the ``torch.save`` of a non-tensor value lies"""
+    where: str
+
+
+def read_dcp_checkpoint(storage: Storage, raw: bytes | None = None) -> DcpCheckpoint:
+    """Read and check the DCP checkpoint at ``storage`` (``raw``: the bytes of ``.metadata``, if read already)."""
+    where = f"{storage.url.rstrip('/')}/{DCP_METADATA}"
+    if raw is None:
+        raw = storage.read(DCP_METADATA)
+    return check_dcp_metadata(load_dcp_metadata(raw, where=where), where=where)
+
+
+def check_dcp_metadata(meta: Any, *, where: str) -> DcpCheckpoint:
+    """Check every field this package uses, so that what it reads is well formed."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: invalid torch.distributed.checkpoint metadata: {msg}")
+
+    sdm = getattr(meta, "state_dict_metadata", None)
+    storage_data = getattr(meta, "storage_data", None)
+    if not isinstance(sdm, dict):
+        raise bad("state_dict_metadata is not a dict")
+    if not isinstance(storage_data, dict):
+        raise bad("storage_data is not a dict (rank-local metadata, or a storage plugin other than DCP's file system writers)")
+    locations: dict[tuple[str, tuple[int, ...] | None], DcpItem] = {}
+    for index, info in storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise bad(f"a storage_data key is a {type(index).__name__}, not a MetadataIndex")
+        offset = None if index.offset is None else _ints(index.offset, bad, f"key {index.fqn!r}: offset")
+        locations[(index.fqn, offset)] = _location(index.fqn, info, bad)
+    tensors: dict[str, Any] = {}
+    values: dict[str, DcpItem] = {}
+    for key, md in sdm.items():
+        if not isinstance(key, str) or not key:
+            raise bad(f"a key is {key!r}, not a non-empty string")
+        if isinstance(md, BytesStorageMetadata):
+            found = locations.get((key, None))
+            if found is None:
+                raise bad(f"value {key!r} has no stored bytes in storage_data")
+            values[key] = found
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise bad(f"key {key!r}: a {type(md).__name__}, not tensor or bytes metadata")
+        dtype = getattr(md.properties, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise bad(f"key {key!r}: dtype is {dtype!r}")
+        shape = _ints(md.size, bad, f"key {key!r}: size")
+        chunks = []
+        if not isinstance(md.chunks, list):
+            raise bad(f"key {key!r}: chunks is not a list")
+        for c in md.chunks:
+            off = _ints(getattr(c, "offsets", None), bad, f"key {key!r}: chunk offsets")
+            lens = _ints(getattr(c, "sizes", None), bad, f"key {key!r}: chunk sizes")
+            if len(off) != len(shape) or len(lens) != len(shape) or any(o + n > s for o, n, s in zip(off, lens, shape)):
+                raise bad(f"key {key!r}: chunk at {list(off)} of size {list(lens)} does not lie inside shape {list(shape)}")
+            found = locations.get((key, off))
+            if found is None:
+                raise bad(f"key {key!r}: the chunk at {list(off)} has no stored bytes in storage_data")
+            chunks.append((off, lens, found))
+        tensors[key] = (dtype, shape, chunks)
+    return DcpCheckpoint(meta, tensors, values, where)
+
+
+def _ints(v: Any, bad, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or not all(type(x) is int and 0 <= x < (1 << 62) for x in v) or len(v) > 64:
+        raise bad(f"{what} is {v!r}, not a sequence of non-negative integers")
+    return tuple(v)
+
+
+def _location(key: str, info: Any, bad) -> DcpItem:
+    path = getattr(info, "relative_path", None)
+    offset = getattr(info, "offset", None)
+    length = getattr(info, "length", None)
+    if not isinstance(path, str):
+        raise bad(f"key {key!r}: relative_path is {path!r}")
+    try:
+        check_name(path)
+    except Exception:  # noqa: BLE001 - StorageError: a name with a directory part or '..'
+        raise bad(f"key {key!r}: data file {path!r} is not a plain file name inside the checkpoint; refusing to read it") from None
+    if path == DCP_METADATA:
+        raise bad(f"key {key!r}: names the metadata file as its data file")
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 or offset + length >= 1 << 62:
+        raise bad(f"key {key!r}: byte range offset={offset!r} length={length!r}")
+    transforms = getattr(info, "transform_descriptors", None)
+    if transforms:
+        raise CorruptCheckpointError(
+            f"{key!r} in {path}: stored through DCP stream extensions {list(transforms)} (e.g. compression), which "
+            "shardsafe does not read; load it with torch.distributed.checkpoint.FileSystemReader and save it with shardsafe"
+        )
+    return DcpItem(key, path, offset, length)
+
+
+def read_item(storage: Storage, item: DcpItem) -> bytearray:
+    """The stored bytes of one item (``CorruptCheckpointError`` if its file is shorter)."""
+    buf = bytearray(item.length)
+    if item.length:
+        storage.read_into(item.file, item.offset, [memoryview(buf)])
+    return buf
+
+
+def load_tensor(buf: bytearray, item: DcpItem, dtype: torch.dtype, sizes: tuple[int, ...], where: str) -> torch.Tensor:
+    """The tensor chunk a ``torch.save`` archive holds, checked against the metadata."""
+    name = f"{where}: key {item.key!r}, {item.file} bytes [{item.offset}, {item.offset + item.length})"
+    if bytes(buf[:4]) != _ZIP_MAGIC:
+        raise CorruptCheckpointError(
+            f"{name}: not a torch.save archive (DCP checkpoints written with serialization_format=SAFETENSORS or by "
+            "other storage plugins are not read); the file may be damaged"
+        )
+    try:
+        t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a damaged archive or a pickle torch's safe loader refuses
+        raise CorruptCheckpointError(f"{name}: cannot read the stored tensor: {type(e).__name__}: {str(e)[:300]}") from None
+    if type(t) is not torch.Tensor:
+        raise CorruptCheckpointError(f"{name}: holds a {type(t).__name__}, not a tensor")
+    if t.dtype != dtype or tuple(t.shape) != sizes:
+        raise CorruptCheckpointError(
+            f"{name}: holds a {t.dtype} tensor of shape {list(t.shape)}, the metadata says {dtype} of shape {list(sizes)}"
+        )
+    return t
+
+
+def load_value(buf: bytearray, item: DcpItem, where: str, *, allow_pickle: bool) -> Any:
+    """The non-tensor value of one item: read by torch's allowlisted unpickler, or (only with
+    ``allow_pickle``) by the full one; ``PickleNotAllowedError`` otherwise."""
+    name = f"{where}: value {item.key!r} ({item.file} bytes [{item.offset}, {item.offset + item.length}))"
+    try:
+        return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not allow_pickle:
+            raise PickleNotAllowedError(
+                f"{name} is a pickle that torch's safe loader refuses ({str(e).splitlines()[0][:200]}); loading it can run "
+                "arbitrary code. Pass allow_pickle=True only if you trust this checkpoint"
+            ) from None
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpointError(f"{name}: cannot read the stored value: {type(e).__name__}: {str(e)[:300]}") from None
+    try:
+        return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpointError(f"{name}: cannot read the stored value: {type(e).__name__}: {str(e)[:300]}") from None

@@ -1,0 +1,352 @@
+"""``shardsafe.dcp.StorageWriter``: ``torch.distributed.checkpoint.save`` writes a shardsafe checkpoint.
+
+DCP's planner decides what each rank writes (its own shards; a replicated value once, by one
+rank); this writer decides how: each rank streams its tensor chunks into its own safetensors
+file with per-block XXH3 digests (format v2, ``docs/format.md``), non-tensor values go into
+``metadata.json`` as JSON, and the coordinator commits ``metadata.json`` last, by the same
+compare-and-swap as :mod:`shardsafe.engine.writer`.
+
+Call order (DCP's; one instance plays the coordinator on rank 0 and a follower elsewhere):
+
+1. ``reset(checkpoint_id)`` (all ranks): a new save; ``checkpoint_id`` replaces the location.
+2. ``set_up_storage_writer`` (all ranks).
+3. ``prepare_local_plan`` (all ranks): refuses dtypes safetensors cannot hold, before any write.
+4. ``prepare_global_plan`` (coordinator): lists the location and reads the version of its
+   ``metadata.json``; refuses a committed checkpoint unless ``overwrite``; draws the save id.
+5. ``write_data`` (all ranks): writes this rank's data file (none if it holds no chunk) and
+   returns each chunk's byte range and digests, and each value encoded.
+6. ``finish`` (coordinator): builds ``metadata.json``, checks that the chunks tile every tensor,
+   commits it only over the version read in step 4, then removes earlier saves' files.
+
+A failure on any rank before step 6 leaves the location's committed checkpoint (if any) as it
+was; the failed save's data files stay until the next save there commits and removes them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass, replace
+from math import prod
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from .._args import check_bool
+from ..engine.buffers import WriteBehind, byte_view
+from ..engine.objects import encode_objects, merge_rank_objects
+from ..engine.writer import _committed_version, _CommitUnknownError, _put_metadata, _sweep
+from ..errors import CheckpointError, CheckpointExistsError, DtypeMismatchError, ShapeMismatchError, StorageError
+from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
+from ..format.dtypes import SAFETENSORS_CODE, dtype_name
+from ..format.metadata import ChecksumConfig, DataFileInfo, StorageMetadata, TensorShardSpec
+from ..format.metadata import TensorStorageMetadata as OurTensorMetadata
+from ..format.safetensors_file import FileEntry, layout_file
+from ..knobs import KNOBS, Knobs
+from ..planning.geometry import check_tiling
+from ..planning.save_plan import _entry_name, data_file_name
+from ..storage import Location, Storage, open_storage
+from ..storage.base import DCP_METADATA
+from .values import value_of
+
+__all__ = ["StorageWriter"]
+
+log = logging.getLogger(__name__)
+_USED_SAVE_IDS: set[str] = set()  # a plan DCP replays from its plan cache carries an old id: never reuse one
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """The coordinator's word to one rank (``SavePlan.storage_data``)."""
+
+    rank: int
+    save_id: str
+
+
+@dataclass(frozen=True)
+class _StoredChunk:
+    """Where a rank wrote one tensor chunk (``WriteResult.storage_data``)."""
+
+    file: str
+    file_size: int
+    header_digest: str
+    name: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    byte_range: tuple[int, int]
+    checksums: str
+
+
+@dataclass(frozen=True)
+class _StoredValue:
+    """A non-tensor value, encoded (``WriteResult.storage_data``)."""
+
+    as_json: dict[str, Any]
+    pickled: dict[str, str]
+
+
+class StorageWriter(_DcpStorageWriter):
+    """A ``torch.distributed.checkpoint`` storage writer that writes shardsafe checkpoints.
+
+    ``dcp.save(state_dict, storage_writer=shardsafe.dcp.StorageWriter(path))`` on every rank
+    writes a checkpoint that ``shardsafe.Checkpointer``, ``shardsafe.verify`` and
+    :class:`shardsafe.dcp.StorageReader` read. ``path`` is anything ``shardsafe`` takes as a
+    location: a directory, ``s3://``/``gs://``/``az://`` URLs (``storage_options`` go to
+    :func:`shardsafe.storage.open_storage`), or a ``Storage``; it may be left out and given as
+    ``dcp.save(..., checkpoint_id=path)``.
+
+    ``overwrite``: replace a checkpoint already committed there (it stays loadable until the new
+    one commits); otherwise such a save fails with ``CheckpointExistsError`` before writing.
+    ``allow_pickle``: store non-tensor values that JSON cannot hold (tuples, arbitrary objects)
+    with pickle; otherwise they are refused with ``PickleNotAllowedError`` naming the key.
+    Saving with ``use_collectives=False`` (rank-local metadata) is refused: a shardsafe
+    checkpoint is committed by one ``metadata.json``.
+    """
+
+    def __init__(
+        self,
+        path: Location | None = None,
+        *,
+        overwrite: bool = False,
+        allow_pickle: bool = False,
+        knobs: Knobs | None = None,
+        **storage_options: Any,
+    ) -> None:
+        super().__init__()
+        check_bool("shardsafe.dcp.StorageWriter", "overwrite", overwrite)
+        check_bool("shardsafe.dcp.StorageWriter", "allow_pickle", allow_pickle)
+        if path is not None and not isinstance(path, (str, os.PathLike)) and storage_options:
+            raise TypeError("shardsafe.dcp.StorageWriter: storage options apply to a URL, not to a Storage already opened")
+        self.overwrite = overwrite
+        self.allow_pickle = allow_pickle
+        self.knobs = knobs or KNOBS
+        self._location = path
+        self._options = storage_options
+        self._storage: Storage | None = None
+        self._reset_save()
+
+    # -- DCP's interface ------------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            if self._storage is not None:
+                self._storage.close()
+            self._location = checkpoint_id
+            self._storage = None
+        self._reset_save()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise CheckpointError(
+                f"{self._url()}: shardsafe.dcp.StorageWriter needs use_collectives=True: a shardsafe checkpoint is committed "
+                "by one metadata.json that the coordinator writes after every rank has written"
+            )
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        for item in plan.items:
+            if item.tensor_data is not None:
+                dtype_name(item.tensor_data.properties.dtype, key=item.index.fqn)  # DtypeMismatchError before any write
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        storage = self._open()
+        self._listed = storage.list()  # before this save writes anything (see engine.writer._sweep)
+        self._seen = _committed_version(storage)
+        if not self.overwrite and (self._seen is not None or DCP_METADATA in self._listed):
+            kind = "shardsafe checkpoint" if self._seen is not None else "torch.distributed.checkpoint checkpoint"
+            raise CheckpointExistsError(
+                f"{storage.url}: a {kind} is already committed there; pass overwrite=True to shardsafe.dcp.StorageWriter "
+                "to replace it, or save to a new location"
+            )
+        save_id = uuid.uuid4().hex[:12]
+        self._save_id = save_id
+        return [replace(p, storage_data=_RankPlan(rank, save_id)) for rank, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rp = plan.storage_data
+        if not isinstance(rp, _RankPlan):
+            raise CheckpointError(f"{self._url()}: the save plan carries no shardsafe file assignment; was it made by this writer?")
+        save_id = rp.save_id if rp.save_id not in _USED_SAVE_IDS else uuid.uuid4().hex[:12]
+        _USED_SAVE_IDS.add(save_id)
+        results: list[WriteResult] = []
+        tensors: list[WriteItem] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                results.append(self._value_result(item, planner))
+            elif item.tensor_data is not None and prod(item.tensor_data.chunk.sizes):
+                tensors.append(item)
+            else:  # no elements: nothing is stored (format: pieces with no elements are not stored)
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+        if tensors:
+            results += self._write_file(data_file_name(rp.rank, save_id), tensors, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage = self._open()
+        written = sorted({sd.file for rs in results for r in rs if isinstance(sd := r.storage_data, _StoredChunk)})
+        try:
+            meta = self._metadata(metadata, results)
+            raw = meta.to_json()
+            _put_metadata(storage, raw, seen=self._seen, save_overwrite=self.overwrite)
+        except _CommitUnknownError:
+            raise  # the data files stay: a metadata.json naming them may have been committed
+        except BaseException:
+            for name in written:  # leave nothing of a failed save behind
+                try:
+                    storage.delete(name)
+                except StorageError as e:
+                    log.warning("%s: removing a data file of a failed save failed: %s", storage.url, e)
+            raise
+        _sweep(storage, self._listed, keep=meta.data_files())
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._url())
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self._url()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # -- the work --------------------------------------------------------------------------------
+
+    def _reset_save(self) -> None:
+        self.is_coordinator = False
+        self._listed: list[str] = []
+        self._seen: str | None = None
+        self._save_id: str | None = None
+
+    def _url(self) -> str:
+        if self._storage is not None:
+            return self._storage.url
+        return str(self._location) if isinstance(self._location, (str, os.PathLike)) else getattr(self._location, "url", "?")
+
+    def _open(self) -> Storage:
+        if self._storage is None:
+            if self._location is None:
+                raise CheckpointError(
+                    "shardsafe.dcp.StorageWriter has no location: pass a path to it, or checkpoint_id= to dcp.save"
+                )
+            self._storage = open_storage(self._location, **self._options)
+        return self._storage
+
+    def _value_result(self, item: WriteItem, planner: SavePlanner) -> WriteResult:
+        key = item.index.fqn
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        if isinstance(planner, DefaultSavePlanner) and type(planner).transform_object is DefaultSavePlanner.transform_object:
+            value = planner.lookup_object(item.index)  # the object itself, before DCP would pickle it
+        else:  # a planner of its own: what it resolves is what is stored
+            value = value_of(planner.resolve_data(item), key, allow_pickle=self.allow_pickle)
+        as_json, pickled = encode_objects({key: value}, allow_pickle=self.allow_pickle)
+        size = len(pickled[key]) if key in pickled else len(json.dumps(as_json[key]))
+        return WriteResult(index=item.index, size_in_bytes=size, storage_data=_StoredValue(as_json, pickled))
+
+    def _write_file(self, file: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """Lay out and write this rank's data file; each chunk's block digests on the way."""
+        used: set[str] = set()
+        entries = []
+        for item in items:
+            td = item.tensor_data
+            lengths = tuple(td.chunk.sizes)
+            name = _entry_name(item.index.fqn, tuple(td.size), tuple(td.chunk.offsets), lengths, None, used)
+            dtype = td.properties.dtype
+            entries.append(FileEntry(name, SAFETENSORS_CODE[dtype], lengths, prod(lengths) * dtype.itemsize))
+        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "2"})
+        header_digest = file_digest(layout.header)
+        cblock = self.knobs.checksum_block_bytes
+        block = max(cblock, self.knobs.write_block_bytes - self.knobs.write_block_bytes % cblock)
+        results = []
+        with self._open().write_file(file) as out, WriteBehind(out) as behind:
+            behind.write(memoryview(layout.header))
+            for item, entry, byte_range in zip(items, entries, layout.byte_ranges):
+                data = _resolved_tensor(item, planner)
+                view = byte_view(data)
+                digests: list[int] = []
+                for pos in range(0, view.nbytes, block):
+                    part = view[pos : pos + block]
+                    digest_blocks(part, cblock, digests)
+                    behind.write(part)
+                td = item.tensor_data
+                chunk = _StoredChunk(
+                    file, layout.size, header_digest, entry.name, tuple(td.chunk.offsets), entry.shape, byte_range,
+                    encode_digests(digests),
+                )
+                results.append(WriteResult(index=item.index, size_in_bytes=entry.nbytes, storage_data=chunk))
+        return results
+
+    def _metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> StorageMetadata:
+        """``metadata.json`` from DCP's global metadata and every rank's results."""
+        chunks: dict[str, list[_StoredChunk]] = {}
+        files: dict[str, DataFileInfo] = {}
+        values = []
+        for rank_results in results:
+            for r in rank_results:
+                sd = r.storage_data
+                if isinstance(sd, _StoredChunk):
+                    chunks.setdefault(r.index.fqn, []).append(sd)
+                    files[sd.file] = DataFileInfo(size=sd.file_size, header=sd.header_digest)
+                elif isinstance(sd, _StoredValue):
+                    values.append((sd.as_json, sd.pickled))
+        as_json, pickled = merge_rank_objects(values)
+        tensors: dict[str, OurTensorMetadata] = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                if key not in as_json and key not in pickled:
+                    raise CheckpointError(f"{self._url()}: value {key!r} is in the save plan but no rank wrote it")
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"{self._url()}: key {key!r}: DCP metadata of type {type(md).__name__} cannot be stored")
+            shape = tuple(md.size)
+            per_file: dict[str, list[TensorShardSpec]] = {}
+            mine = chunks.pop(key, [])
+            for c in mine:
+                spec = TensorShardSpec(
+                    global_offset=c.offsets, local_shape=c.lengths, name=c.name, byte_range=c.byte_range, checksums=c.checksums
+                )
+                per_file.setdefault(c.file, []).append(spec)
+            check_tiling(key, shape, [(c.offsets, c.lengths, None) for c in mine])  # ShardingError naming the gap
+            whole = len(mine) == 1 and mine[0].lengths == shape
+            tensors[key] = OurTensorMetadata(
+                shape=shape, dtype=dtype_name(md.properties.dtype, key=key), is_sharded=not whole, shard_spec_per_file=per_file
+            )
+        if chunks:
+            raise CheckpointError(f"{self._url()}: ranks wrote chunks of {sorted(chunks)[:5]}, which DCP's metadata does not name")
+        return StorageMetadata(
+            checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=self.knobs.checksum_block_bytes),
+            files=files,
+            tensors=tensors,
+            objects=as_json,
+            pickled_objects=pickled,
+        )
+
+
+def _resolved_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
+    """The chunk's data as a contiguous CPU tensor, checked against the plan."""
+    key = item.index.fqn
+    data = planner.resolve_data(item)
+    if not isinstance(data, torch.Tensor):
+        raise CheckpointError(f"key {key!r}: the save planner resolved a {type(data).__name__} for a tensor chunk")
+    td = item.tensor_data
+    if data.dtype != td.properties.dtype:
+        raise DtypeMismatchError(f"key {key!r}: the save planner resolved a {data.dtype} tensor, its plan says {td.properties.dtype}")
+    if tuple(data.shape) != tuple(td.chunk.sizes):
+        raise ShapeMismatchError(
+            f"key {key!r}: the save planner resolved a chunk of shape {list(data.shape)}, its plan says {list(td.chunk.sizes)}"
+        )
+    data = data.detach()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    return data.contiguous()
