@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
+    "ForeignCheckpointError",
     "IncompleteCheckpointError",
     "MissingKeyError",
     "MissingRanksError",
@@ -57,6 +58,11 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes or metadata are damaged: bad checksum, truncated file, invalid metadata."""
+
+
+class ForeignCheckpointError(CheckpointError, ValueError):
+    """The location holds another library's checkpoint (for example Megatron-Core's
+    ``torch_dist``, whose ``metadata.json`` is a config of backends), not a shardsafe one."""
 
 
 class MissingKeyError(CheckpointError, KeyError):
