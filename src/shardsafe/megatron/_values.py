@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CorruptCheckpointError, PickleNotAllowedError
+from ..errors import CheckpointError, CorruptCheckpointError, PickleNotAllowedError
 from ..format.strict_json import MAX_DEPTH, nesting_exceeds
 from .core import CheckpointingException
 
@@ -208,6 +208,8 @@ class _Decoder:
             )
         try:
             return method(v, path)
+        except CheckpointError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             raise self.bad(path, f"{tag!r} value: {type(e).__name__}: {e}") from None
 

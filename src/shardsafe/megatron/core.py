@@ -65,7 +65,7 @@ def config_from_document(doc: Any) -> CheckpointingConfig | None:
 
     Megatron-Core's document is the config itself. shardsafe's has ``format_version``; the
     config is in its ``objects`` when saved through :mod:`shardsafe.megatron`, else it is
-    ``shardsafe`` at the document's format version.
+    ``shardsafe`` version 1 (any shardsafe checkpoint loads through :mod:`shardsafe.megatron`).
     """
     if not isinstance(doc, dict):
         return None
@@ -74,8 +74,7 @@ def config_from_document(doc: Any) -> CheckpointingConfig | None:
         stored = objects.get(CONFIG_KEY) if isinstance(objects, dict) else None
         if isinstance(stored, dict) and _valid(stored):
             return CheckpointingConfig(**{k: stored[k] for k in _FIELDS if k in stored})
-        version = doc["format_version"] if type(doc["format_version"]) is int else 1
-        return CheckpointingConfig(SHARDSAFE_BACKEND, version, SHARDSAFE_BACKEND, version)
+        return CheckpointingConfig(SHARDSAFE_BACKEND, 1, SHARDSAFE_BACKEND, 1)
     if _valid(doc) and set(doc) <= set(_FIELDS):
         return CheckpointingConfig(**doc)
     return None

@@ -19,7 +19,7 @@ import torch
 
 from ..checkpointer import Checkpointer
 from ..dist import get_comm
-from .core import CONFIG_KEY, SHARDSAFE_BACKEND, CheckpointingConfig, CheckpointingException
+from .core import SHARDSAFE_BACKEND, CheckpointingConfig, CheckpointingException, config_from_document
 from .dict_utils import merge, nested_values
 from .mapping import CommonStateDict, ShardedStateDict, StateDict, apply_factory_merges
 from .state_dict_utils import load_preprocess, save_preprocess
@@ -33,7 +33,6 @@ from .strategies.base import (
     get_default_strategy,
 )
 from .strategies.shardsafe import (
-    FORMAT_VERSION,
     ShardsafeLoadShardedStrategy,
     ShardsafeSaveShardedStrategy,
     read_metadata,
@@ -146,15 +145,9 @@ def load(
 
 
 def config_of(meta: Any) -> CheckpointingConfig:
-    """The :class:`CheckpointingConfig` stored in a shardsafe checkpoint's metadata (the
-    shardsafe backend at the format's version for one saved without shardsafe.megatron)."""
-    stored = meta.objects.get(CONFIG_KEY)
-    if isinstance(stored, dict):
-        try:
-            return CheckpointingConfig(**stored)
-        except TypeError:
-            pass
-    return CheckpointingConfig(SHARDSAFE_BACKEND, FORMAT_VERSION, SHARDSAFE_BACKEND, FORMAT_VERSION)
+    """The :class:`CheckpointingConfig` of a shardsafe checkpoint's metadata (see
+    :func:`~shardsafe.megatron.core.config_from_document`)."""
+    return config_from_document({"format_version": meta.format_version, "objects": meta.objects})  # type: ignore[return-value]
 
 
 def load_common_state_dict(checkpoint_dir: str | Path) -> StateDict:

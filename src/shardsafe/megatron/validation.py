@@ -207,9 +207,10 @@ def _check_same(key: str, held: list[tuple[int, int, Entry]], field: str, what: 
     r0, _, e0 = held[0]
     for rank, _, e in held:
         if getattr(e, field) != getattr(e0, field):
+            a, b = getattr(e0, field), getattr(e, field)
             raise CheckpointingException(
-                f"key {key!r}: rank {r0} has {what} {getattr(e0, field)}, rank {rank} has {getattr(e, field)}; every piece of "
-                "one key must agree"
+                f"key {key!r}: rank {r0} has {what} {list(a) if isinstance(a, tuple) else a}, rank {rank} has "
+                f"{list(b) if isinstance(b, tuple) else b}; every piece of one key must agree"
             )
 
 
@@ -233,8 +234,8 @@ def _check_tensor(key: str, held: list[tuple[int, int, Entry]]) -> list[tuple[in
             )
     try:
         check_tiling(key, shape, list(mains))
-    except ShardingError as e:
-        raise _diagnose(key, shape, held, str(e)) from None
+    except ShardingError:
+        raise _diagnose(key, shape, held) from None
     return [(rank, i) for rank, i, e in held if not e.main and (e.offset, e.lengths, e.flat) in mains]
 
 
@@ -243,7 +244,7 @@ def _numel(geom: tuple) -> int:
     return flat[1] - flat[0] if flat is not None else prod(lens)
 
 
-def _diagnose(key: str, shape: tuple[int, ...], held: list[tuple[int, int, Entry]], detail: str) -> CheckpointingException:
+def _diagnose(key: str, shape: tuple[int, ...], held: list[tuple[int, int, Entry]]) -> CheckpointingException:
     """The error for main replicas that do not tile ``shape``: which ranks overlap, or where the gap is."""
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], int, Entry]] = []
     for rank, _, e in held:
@@ -286,7 +287,7 @@ def _diagnose(key: str, shape: tuple[int, ...], held: list[tuple[int, int, Entry
             where = f", the first at element {missing[0].tolist()}"
     return CheckpointingException(
         f"key {key!r}: the main replicas (on ranks {ranks}) cover {covered} of the {total} elements of global shape "
-        f"{list(shape)}: a gap{where}; every element needs exactly one main replica ({detail})"
+        f"{list(shape)}: a gap{where}; every element needs exactly one main replica"
     )
 
 
