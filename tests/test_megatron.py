@@ -299,7 +299,7 @@ def _refusals(rank: int, ws: int, root: str) -> list[tuple[str, str, bool]]:
     """Each bad sharding: the error's class, its message, and whether a metadata.json was written."""
     full = torch.arange(48.0).reshape(12, 4)
     cases = {
-        "same-piece": {"w": ShardedTensor.from_rank_offsets("w", full.clone())},
+        "same-piece": {"w": ShardedTensor.from_rank_offsets("w", full[:6].clone(), (0, 0, 2))},
         "partial-overlap": {"w": ShardedTensor("w", full[rank * 5 : rank * 5 + 7].clone(), torch.float32, (7, 4), (12, 4), (rank * 5, 0), None)},
         "gap": {"w": ShardedTensor.from_rank_offsets("w", full[rank * 4 : rank * 4 + 4].clone(), (0, rank, 3))},
         "shapes-differ": {"w": ShardedTensor.from_rank_offsets("w", full[: 6 + rank].clone(), (0, rank, 2))},
@@ -307,7 +307,16 @@ def _refusals(rank: int, ws: int, root: str) -> list[tuple[str, str, bool]]:
         "object-cell-missing": {"o": ShardedObject("o", rank, (3,), (rank,))},
         "tensor-and-object": {"w": ShardedTensor.from_rank_offsets("w", full.clone(), replica_id=rank) if rank else ShardedObject("w", 1, (1,), (0,))},
     }
-    out = []
+    from shardsafe.megatron.strategies.shardsafe import _STATS
+
+    # a valid save, checked; the same structure again is not checked again; then rank 1 changes
+    # its sharding, and the check (rank 0's part from the cache) refuses it
+    before = dict(_STATS)
+    good = {"w": ShardedTensor.from_rank_offsets("w", full[rank * 6 : rank * 6 + 6].clone(), (0, rank, 2))}
+    save(good, os.path.join(root, "good-1"))
+    save(good, os.path.join(root, "good-2"))
+    stats = {k: _STATS[k] - before.get(k, 0) for k in ("hit", "miss", "resend")}
+    out: list = [("stats", stats if rank == 0 else {}, False)]
     for name, state in cases.items():
         path = os.path.join(root, name)
         try:
@@ -385,10 +394,12 @@ def test_checkpoint_is_a_shardsafe_checkpoint(saved):
 
 def test_refusals_name_key_ranks_and_problem(tmp_path):
     results = run_ranks(2, _refusals, str(tmp_path))
+    assert results[0][0] == ("stats", {"hit": 1, "miss": 1, "resend": 0}, False)
+    results = [r[1:] for r in results]
     got = dict(enumerate(results[0]))
     msgs = [m for _, m, _ in results[0]]
     assert all(cls == "CheckpointingException" and not written for cls, _, written in results[0][:-1])
-    assert "key 'w': main replicas overlap: ranks [0, 1] each hold the piece at offset [0, 0] shape [12, 4]" in msgs[0]
+    assert "key 'w': main replicas overlap: ranks [0, 1] each hold the piece at offset [0, 0] shape [6, 4]" in msgs[0]
     assert "key 'w': main replicas overlap: rank 0's piece at offset [0, 0] shape [7, 4] and rank 1's piece at offset [5, 0] shape [7, 4] share elements" in msgs[1]
     assert "key 'w': the main replicas (on ranks [0, 1]) cover 32 of the 48 elements of global shape [12, 4]: a gap, the first at element [8, 0]" in msgs[2]
     assert "key 'w': rank 0 has global shape [12, 4], rank 1 has [14, 4]" in msgs[3]

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -74,6 +75,20 @@ FORMAT_VERSION = 1
 """Version of the mapping of Megatron's objects onto shardsafe's format (``sharded_backend_version``)."""
 _UNIQUE_KEY = re.compile(r"^.+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
 
+# The last sharding a save validated, per group of ranks: a save whose every rank describes the
+# same pieces again (the normal case in training) sends only a digest and is not checked again.
+_CHECKED: dict[tuple[int, ...], tuple[list[str | None], list[list[Entry]], list[list[int]]]] = {}  # coordinator
+_CHECKED_BY_RANK: dict[tuple[int, ...], str | None] = {}  # every rank: its digest in that save
+_STATS: Counter[str] = Counter()  # "hit", "miss", "resend"
+
+
+class _Sent(NamedTuple):
+    """What each rank sends the coordinator before a save."""
+
+    entries: list[Entry] | None  # None: the same as at the last validated save (see digest), or no validation
+    digest: str | None  # of this rank's entries
+    common: str | None  # digest of the common state to compare with rank 0's
+
 
 class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves a sharded state dict (tensors, ShardedObjects and the common state) as one
@@ -121,38 +136,70 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
         background save when ``background``.
         """
         comm = get_comm(call="shardsafe.megatron.save")
+        group = tuple(comm.global_ranks)
         state: dict[str, Any] = {}
+        mine: dict[str, Any] = {}
         config = CheckpointingConfig(self.backend, self.version, SHARDSAFE_BACKEND, FORMAT_VERSION)
 
-        def prepare() -> tuple[list[Entry] | None, str | None]:
-            entries = describe_local(values)
-            for v, e in zip(values, entries):
-                if isinstance(v, ShardedObject) and e.main:
-                    _put_object(state, v, self.allow_pickle)
-            if comm.is_coordinator:
-                state[COMMON_KEY] = encode_value(common, where="the common state", allow_pickle=self.allow_pickle)
-                state[CONFIG_KEY] = asdict(config)
-            digest = None
-            if common_check is not None and comm.distributed:
-                encoded = encode_value(common_check, where="the common state", allow_pickle=True)
-                digest = xxhash.xxh3_64_hexdigest(json.dumps(encoded, sort_keys=True).encode())
-            return (entries if validate else None), digest
+        def prepare(full: bool) -> _Sent:
+            if not mine:
+                entries = describe_local(values)
+                for v, e in zip(values, entries):
+                    if isinstance(v, ShardedObject) and e.main:
+                        _put_object(state, v, self.allow_pickle)
+                if comm.is_coordinator:
+                    state[COMMON_KEY] = encode_value(common, where="the common state", allow_pickle=self.allow_pickle)
+                    state[CONFIG_KEY] = asdict(config)
+                common_digest = None
+                if common_check is not None and comm.distributed:
+                    encoded = encode_value(common_check, where="the common state", allow_pickle=True)
+                    common_digest = xxhash.xxh3_64_hexdigest(json.dumps(encoded, sort_keys=True).encode())
+                digest = xxhash.xxh3_64_hexdigest(repr(entries).encode()) if validate else None
+                mine.update(entries=entries, digest=digest, common=common_digest)
+            send = validate and (full or _CHECKED_BY_RANK.get(group) != mine["digest"])
+            return _Sent(mine["entries"] if send else None, mine["digest"], mine["common"])
 
-        gathered = comm.gather(prepare)
-
-        def check() -> list[list[int]]:
+        def check(gathered: list[_Sent]) -> list[list[int] | None]:
             comm.raise_failures(gathered)
-            differ = [comm.global_ranks[r] for r, g in enumerate(gathered) if g[1] != gathered[0][1]]  # type: ignore[index]
+            differ = [comm.global_ranks[r] for r, g in enumerate(gathered) if g.common != gathered[0].common]
             if differ:
                 log.warning(
                     "%s: the common state of rank(s) %s differs from rank 0's, which is the one saved (pass "
                     "preprocess_common_before_consistancy_check to leave out what may differ)", checkpoint_dir, differ,
                 )
             if not validate:
-                return [[] for _ in range(comm.world_size)]
-            return check_global_sharding([g[0] for g in gathered])  # type: ignore[index,misc]
+                return [[] for _ in gathered]
+            digests = [g.digest for g in gathered]
+            cached = _CHECKED.get(group)
+            if cached is not None and cached[0] == digests and all(g.entries is None for g in gathered):
+                _STATS["hit"] += 1
+                return cached[2]  # every rank describes what the last validated save did
+            per_rank = []
+            for r, g in enumerate(gathered):
+                if g.entries is not None:
+                    per_rank.append(g.entries)
+                elif cached is not None and r < len(cached[0]) and cached[0][r] == g.digest:
+                    per_rank.append(cached[1][r])
+                else:  # the coordinator lacks what this rank did not send: every rank sends it all
+                    _STATS["resend"] += 1
+                    return [None] * len(gathered)
+            _STATS["miss"] += 1
+            copies = check_global_sharding(per_rank)
+            _CHECKED[group] = (digests, per_rank, copies)
+            return copies  # type: ignore[return-value]
 
-        copies = set(comm.scatter(check))
+        for full in (False, True):
+            gathered = comm.gather(lambda full=full: prepare(full))
+            got = comm.scatter(lambda gathered=gathered: check(gathered))  # type: ignore[arg-type]
+            if got is not None:
+                break
+        else:  # every rank sent all it has and the coordinator still lacks some: a rank did not validate
+            raise CheckpointingException(
+                f"{checkpoint_dir}: the ranks passed different validate_access_integrity values to one save; pass the same on every rank"
+            )
+        if validate:
+            _CHECKED_BY_RANK[group] = mine["digest"]
+        copies = set(got)
         for i, v in enumerate(values):
             if isinstance(v, ShardedTensor) and (is_main_replica(v.replica_id) or i in copies):
                 state[f"{v.key}[{i}]"] = _piece(v, saving=True)
