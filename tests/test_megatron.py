@@ -324,6 +324,18 @@ def _refusals(rank: int, ws: int, root: str) -> list[tuple[str, str, bool]]:
             out.append((name, "saved", False))
         except CheckpointingException as e:
             out.append((type(e).__name__, str(e), os.path.exists(os.path.join(path, "metadata.json"))))
+    # an error one rank alone raises while preparing (a factory's build_fn here) fails every rank at once
+    def build(key, t, replica_id, flattened_range):
+        if rank == 1:
+            raise ValueError("build_fn failed on rank 1")
+        return {"x": ShardedTensor.from_rank_offsets(key, t, (0, 0, 2))}
+
+    for step in (save, load):
+        try:
+            step({"f": ShardedTensorFactory("f", torch.zeros(2), build, lambda sd: sd["x"])}, os.path.join(root, "good-1"))
+            out.append((step.__name__, "no error", False))
+        except Exception as e:  # noqa: BLE001 - the class is what is tested
+            out.append((type(e).__name__, str(e), False))
     # without validation, a cell held twice with different values is still refused (by the engine)
     try:
         save({"o": ShardedObject("o", rank, (1,), (0,))}, os.path.join(root, "differ"), validate_access_integrity=False)
@@ -398,7 +410,7 @@ def test_refusals_name_key_ranks_and_problem(tmp_path):
     results = [r[1:] for r in results]
     got = dict(enumerate(results[0]))
     msgs = [m for _, m, _ in results[0]]
-    assert all(cls == "CheckpointingException" and not written for cls, _, written in results[0][:-1])
+    assert all(cls == "CheckpointingException" and not written for cls, _, written in results[0][:7])
     assert "key 'w': main replicas overlap: ranks [0, 1] each hold the piece at offset [0, 0] shape [6, 4]" in msgs[0]
     assert "key 'w': main replicas overlap: rank 0's piece at offset [0, 0] shape [7, 4] and rank 1's piece at offset [5, 0] shape [7, 4] share elements" in msgs[1]
     assert "key 'w': the main replicas (on ranks [0, 1]) cover 32 of the 48 elements of global shape [12, 4]: a gap, the first at element [8, 0]" in msgs[2]
@@ -406,10 +418,13 @@ def test_refusals_name_key_ranks_and_problem(tmp_path):
     assert "ShardedObject 'o': main replicas overlap: ranks [0, 1] each hold 'o/shard_0_2'" in msgs[4]
     assert "ShardedObject 'o': 1 of the 3 cells of global shape [3] have no main replica: no rank holds the cells at offsets [[2]]" in msgs[5]
     assert "key 'w' is a ShardedTensor on rank 1 and a ShardedObject on rank 0" in msgs[6]
-    assert got[7][0] == "CheckpointError" and "non-tensor value 'o/shard_0_1' differs between rank 0 and rank 1" in got[7][1]
+    for i in (7, 8):  # save, load
+        assert got[i] == ("CheckpointError", "1 rank(s) failed: rank 1: ValueError: build_fn failed on rank 1", False)
+        assert results[1][i] == ("ValueError", "build_fn failed on rank 1", False)
+    assert got[9][0] == "CheckpointError" and "non-tensor value 'o/shard_0_1' differs between rank 0 and rank 1" in got[9][1]
     # every rank raises the same class, naming the coordinator's finding
-    assert [r[0] for r in results[1]] == [r[0] for r in results[0]]
-    assert all(m0 in m1 for (_, m0, _), (_, m1, _) in zip(results[0][:-1], results[1][:-1]))
+    assert [r[0] for r in results[1][:7]] == [r[0] for r in results[0][:7]]
+    assert all(m0 in m1 for (_, m0, _), (_, m1, _) in zip(results[0][:7], results[1][:7]))
 
 
 # --- in a plain process ------------------------------------------------------------------------------------

@@ -91,16 +91,17 @@ def save(
             f"common_strategy {common_strategy!r} is not supported: shardsafe.megatron stores the common state as JSON in "
             "the checkpoint's metadata.json; pass common_strategy=None"
         )
-    if content_metadata is not None:
-        sharded_state_dict[_CONTENT_METADATA_KEY] = content_metadata
-    sharded, common = save_preprocess(sharded_state_dict)
-    check = None
-    if validate_access_integrity:
-        check = preprocess_common_before_consistancy_check(common) if preprocess_common_before_consistancy_check else common
-    pending = strategy.save_all(
-        list(nested_values(sharded)), common, checkpoint_dir, validate=validate_access_integrity,
-        background=async_sharded_save, common_check=check,
-    )
+
+    def prepare() -> tuple[list[Any], StateDict, StateDict | None]:
+        if content_metadata is not None:
+            sharded_state_dict[_CONTENT_METADATA_KEY] = content_metadata
+        sharded, common = save_preprocess(sharded_state_dict)
+        check = None
+        if validate_access_integrity:
+            check = preprocess_common_before_consistancy_check(common) if preprocess_common_before_consistancy_check else common
+        return list(nested_values(sharded)), common, check
+
+    pending = strategy.save_all(prepare, checkpoint_dir, validate=validate_access_integrity, background=async_sharded_save)
     return request_for(pending) if pending is not None else None
 
 
@@ -129,16 +130,21 @@ def load(
     config = config_of(meta)
     strategy.check_backend_compatibility(config.sharded_backend)
     strategy.check_version_compatibility(config.sharded_backend_version)
-    common = strategy.common_of(meta, checkpoint_dir)
-    sharded, nonpersistent, factories = load_preprocess(sharded_state_dict)
-    merge(common, nonpersistent)
-    sharded, _ = extract_sharded_base(sharded)
+    parts: dict[str, Any] = {}
+
+    def prepare() -> ShardedStateDict:
+        parts["common"] = strategy.common_of(meta, checkpoint_dir)
+        sharded, nonpersistent, parts["factories"] = load_preprocess(sharded_state_dict)
+        merge(parts["common"], nonpersistent)
+        return extract_sharded_base(sharded)[0]
+
     comm = get_comm(call="shardsafe.megatron.load")
     loaded, missing, unexpected = strategy.load_all(
-        sharded, checkpoint_dir, meta, comm, validate=validate_access_integrity, strict=strict
+        prepare, checkpoint_dir, meta, comm, validate=validate_access_integrity, strict=strict
     )
+    common = parts["common"]
     merge(common, loaded)
-    apply_factory_merges(common, factories)
+    apply_factory_merges(common, parts["factories"])
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return common, missing, unexpected
     return common

@@ -24,6 +24,7 @@ import json
 import logging
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -110,26 +111,26 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
         """Save the ShardedTensors and ShardedObjects of ``sharded_state_dict`` (no common state)."""
-        self.save_all(list(nested_values(sharded_state_dict)), {}, checkpoint_dir, validate=False)
+        self.save_all(lambda: (list(nested_values(sharded_state_dict)), {}, None), checkpoint_dir, validate=False)
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
         """:meth:`save` in the background; the request waits for the commit."""
-        pending = self.save_all(list(nested_values(sharded_state_dict)), {}, checkpoint_dir, validate=False, background=True)
+        pending = self.save_all(lambda: (list(nested_values(sharded_state_dict)), {}, None), checkpoint_dir, validate=False, background=True)
         return request_for(pending)  # type: ignore[arg-type]
 
     def save_all(
         self,
-        values: list[Any],
-        common: StateDict,
+        prepare: Callable[[], tuple[list[Any], StateDict, StateDict | None]],
         checkpoint_dir: str | Path,
         *,
         validate: bool,
         background: bool = False,
-        common_check: StateDict | None = None,
     ) -> AsyncSave | None:
-        """Save ``values`` (ShardedTensors and ShardedObjects) and rank 0's ``common`` state.
+        """Save what ``prepare()`` returns: ``values`` (ShardedTensors and ShardedObjects), the
+        ``common`` state (rank 0's is saved) and ``common_check`` (or None).
 
-        Every rank calls it together. With ``validate`` the sharding of the whole job is checked
+        Every rank calls it together; ``prepare`` runs inside the first collective step, so an
+        error it raises on one rank raises on every rank. With ``validate`` the sharding of the whole job is checked
         first (one gather of small descriptions; the coordinator checks), and every rank raises
         the same ``CheckpointingException`` if it is wrong, before anything is written; ranks
         whose ``common_check`` differs from rank 0's are logged (WARNING). Returns the
@@ -141,8 +142,9 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
         mine: dict[str, Any] = {}
         config = CheckpointingConfig(self.backend, self.version, SHARDSAFE_BACKEND, FORMAT_VERSION)
 
-        def prepare(full: bool) -> _Sent:
+        def describe(full: bool) -> _Sent:
             if not mine:
+                values, common, common_check = prepare()
                 entries = describe_local(values)
                 for v, e in zip(values, entries):
                     if isinstance(v, ShardedObject) and e.main:
@@ -155,7 +157,7 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
                     encoded = encode_value(common_check, where="the common state", allow_pickle=True)
                     common_digest = xxhash.xxh3_64_hexdigest(json.dumps(encoded, sort_keys=True).encode())
                 digest = xxhash.xxh3_64_hexdigest(repr(entries).encode()) if validate else None
-                mine.update(entries=entries, digest=digest, common=common_digest)
+                mine.update(values=values, entries=entries, digest=digest, common=common_digest)
             send = validate and (full or _CHECKED_BY_RANK.get(group) != mine["digest"])
             return _Sent(mine["entries"] if send else None, mine["digest"], mine["common"])
 
@@ -189,7 +191,7 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
             return copies  # type: ignore[return-value]
 
         for full in (False, True):
-            gathered = comm.gather(lambda full=full: prepare(full))
+            gathered = comm.gather(lambda full=full: describe(full))
             got = comm.scatter(lambda gathered=gathered: check(gathered))  # type: ignore[arg-type]
             if got is not None:
                 break
@@ -200,7 +202,7 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
         if validate:
             _CHECKED_BY_RANK[group] = mine["digest"]
         copies = set(got)
-        for i, v in enumerate(values):
+        for i, v in enumerate(mine["values"]):
             if isinstance(v, ShardedTensor) and (is_main_replica(v.replica_id) or i in copies):
                 state[f"{v.key}[{i}]"] = _piece(v, saving=True)
         ckpt = Checkpointer(knobs=self.knobs)
@@ -242,7 +244,9 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         """The ShardedTensors and ShardedObjects of ``sharded_state_dict``, loaded (tensors in place)."""
         comm = get_comm(call="shardsafe.megatron.load")
         meta = read_metadata(checkpoint_dir, no_dist=False)
-        loaded, _, _ = self.load_all(sharded_state_dict, checkpoint_dir, meta, comm, validate=False, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        loaded, _, _ = self.load_all(
+            lambda: sharded_state_dict, checkpoint_dir, meta, comm, validate=False, strict=StrictHandling.ASSUME_OK_UNEXPECTED
+        )
         return loaded
 
     def load_common(self, checkpoint_dir: str | Path) -> StateDict:
@@ -309,7 +313,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
 
     def load_all(
         self,
-        sharded_state_dict: ShardedStateDict,
+        prepare: Callable[[], ShardedStateDict],
         checkpoint_dir: str | Path,
         meta: StorageMetadata,
         comm: Comm,
@@ -317,24 +321,25 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         validate: bool,
         strict: StrictHandling,
     ) -> tuple[StateDict, set[str], set[str]]:
-        """Load the ShardedBase values of ``sharded_state_dict`` (a copy of its nesting, with
-        factories built). Returns the loaded nesting, the missing keys (``*_ALL`` modes) and this
-        rank's unexpected keys. Every rank calls it together; an error on any rank (a mismatch
-        that ``strict`` raises, a bad sharding with ``validate``, a missing key, a checksum)
-        raises on every rank.
+        """Load the ShardedBase values of the nesting ``prepare()`` returns (a copy of the
+        caller's, with factories built). Returns the loaded nesting, the missing keys (``*_ALL``
+        modes) and this rank's unexpected keys. Every rank calls it together; an error on any
+        rank (in ``prepare``, a mismatch that ``strict`` raises, a bad sharding with ``validate``,
+        a missing key, a checksum) raises on every rank.
         """
         ckpt_keys = set(meta.tensors) | {k.rpartition("/")[0] for k in meta.objects if _UNIQUE_KEY.match(k)}
         need_global = validate or StrictHandling.requires_global_app_metadata(strict)
         prepared: dict[str, Any] = {}
 
         def local_step() -> tuple[list[Entry] | None, list[str]]:
-            nonlocal sharded_state_dict
+            sharded_state_dict = prepare()
             requested = describe_local(nested_values(sharded_state_dict))
             unexpected: set[str] = set()
             if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
                 unexpected = {e.key for e in requested} - ckpt_keys
                 sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
             prepared["unexpected"] = unexpected
+            prepared["sharded"] = sharded_state_dict
             prepared["targets"], prepared["objects"] = self._targets(sharded_state_dict, meta, checkpoint_dir)
             return (requested if need_global else None), sorted(unexpected)
 
@@ -367,7 +372,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 return v.data
             return objects[id(v)] if isinstance(v, ShardedObject) else v
 
-        loaded = dict_list_map_inplace(result, sharded_state_dict)
+        loaded = dict_list_map_inplace(result, prepared["sharded"])
         return loaded, set(missing), set(unexpected)  # type: ignore[return-value]
 
     def _targets(
