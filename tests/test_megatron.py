@@ -686,3 +686,36 @@ def test_dict_utils_and_utils():
     with pytest.raises(CheckpointingException, match="main replicas overlap: ranks \\[0, 1\\]"):
         validation.validate_sharding_integrity([local, local])
     assert prod(st.global_shape) == 2
+
+
+def test_torch_optimizer_state_sharded_like_the_model(tmp_path):
+    from shardsafe.megatron import optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 6)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    params = model.state_dict(keep_vars=True)
+    # a TP-style split of the weight's rows over 2 (this process holds both halves as one piece each)
+    sharded_model = {
+        "weight": ShardedTensor.from_rank_offsets("layer.weight", params["weight"], (0, 0, 1)),
+        "bias": ShardedTensor.from_rank_offsets("layer.bias", params["bias"]),
+    }
+    id_map = optimizer.get_param_id_to_sharded_param_map(sharded_model, model.parameters())
+    assert {i: t.key for i, t in id_map.items()} == {0: "layer.weight", 1: "layer.bias"}
+    state = opt.state_dict()
+    optimizer.optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+    assert state["state"][0]["exp_avg"].key == "optimizer.state.exp_avg.layer.weight"
+    save({"model": sharded_model, "optimizer": state}, str(tmp_path / "c"))
+    stored = Checkpointer().unshard(str(tmp_path / "c"))
+    assert torch.equal(stored["optimizer.state.exp_avg_sq.layer.bias"], opt.state[model.bias]["exp_avg_sq"])
+    # load into a fresh optimizer's structure: tensors come back, param_groups (tuples included) too
+    fresh = {i: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)} for i, p in enumerate(model.parameters())}
+    target = {"state": fresh, "param_groups": [dict(g, params=[0, 1]) for g in opt.state_dict()["param_groups"]]}
+    optimizer.optim_state_to_sharding_state(target, id_map)
+    out = load({"optimizer": target}, str(tmp_path / "c"))
+    assert torch.equal(out["optimizer"]["state"][0]["exp_avg"], opt.state[model.weight]["exp_avg"])
+    assert out["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9) and out["optimizer"]["param_groups"][0]["params"] == [0, 1]
+    with pytest.raises(CheckpointingException, match=r"optimizer state optimizer.state.x.layer.bias: shape \(2,\) differs"):
+        optimizer.make_sharded_optimizer_tensor(id_map[1], torch.zeros(2), "optimizer.state.x")

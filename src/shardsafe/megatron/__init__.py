@@ -8,10 +8,10 @@ import::
 and then writes shardsafe checkpoints: one atomic commit, checksums on every byte read, no
 pickle, any layout (TP, PP, DP, EP, distributed-optimizer ranges) into any other. The submodules
 have Megatron's names: :mod:`.mapping`, :mod:`.serialization`, :mod:`.validation`, :mod:`.core`,
-:mod:`.dict_utils`, :mod:`.utils`, :mod:`.strategies`. megatron-core itself is never imported.
+:mod:`.dict_utils`, :mod:`.utils`, :mod:`.optimizer`, :mod:`.strategies`. megatron-core itself is never imported.
 """
 
-from . import core, dict_utils, mapping, serialization, strategies, utils, validation
+from . import core, dict_utils, mapping, optimizer, serialization, strategies, utils, validation
 from .core import CheckpointingConfig, CheckpointingException, check_is_distributed_checkpoint
 from .mapping import (
     LocalNonpersistentObject,
@@ -51,6 +51,7 @@ __all__ = [
     "load_sharded_metadata",
     "load_tensors_metadata",
     "mapping",
+    "optimizer",
     "remove_sharded_tensors",
     "save",
     "serialization",

@@ -87,9 +87,12 @@ class StrictHandling(Enum):
 
 
 def parse_strict_flag(strict: str | StrictHandling | bool) -> StrictHandling:
-    """``strict`` as a :class:`StrictHandling` (from its value, such as ``"raise_all"``)."""
+    """``strict`` as a :class:`StrictHandling` (from its value, such as ``"raise_all"``; ``True``
+    is ``ASSUME_OK_UNEXPECTED`` and ``False`` is ``LOG_UNEXPECTED``, as Megatron-Core documents)."""
     if isinstance(strict, StrictHandling):
         return strict
+    if isinstance(strict, bool):
+        return StrictHandling.ASSUME_OK_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED
     try:
         return StrictHandling(strict)
     except ValueError:
