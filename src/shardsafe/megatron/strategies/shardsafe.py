@@ -157,7 +157,8 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
                     encoded = encode_value(common_check, where="the common state", allow_pickle=True)
                     common_digest = xxhash.xxh3_64_hexdigest(json.dumps(encoded, sort_keys=True).encode())
                 digest = xxhash.xxh3_64_hexdigest(repr(entries).encode()) if validate else None
-                mine.update(values=values, entries=entries, digest=digest, common=common_digest)
+                pieces = {i: _piece(v, saving=True) for i, v in enumerate(values) if isinstance(v, ShardedTensor)}
+                mine.update(values=values, pieces=pieces, entries=entries, digest=digest, common=common_digest)
             send = validate and (full or _CHECKED_BY_RANK.get(group) != mine["digest"])
             return _Sent(mine["entries"] if send else None, mine["digest"], mine["common"])
 
@@ -202,9 +203,9 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
         if validate:
             _CHECKED_BY_RANK[group] = mine["digest"]
         copies = set(got)
-        for i, v in enumerate(mine["values"]):
-            if isinstance(v, ShardedTensor) and (is_main_replica(v.replica_id) or i in copies):
-                state[f"{v.key}[{i}]"] = _piece(v, saving=True)
+        for i, piece in mine["pieces"].items():
+            if is_main_replica(piece.replica_id) or i in copies:
+                state[f"{piece.key}[{i}]"] = piece
         ckpt = Checkpointer(knobs=self.knobs)
         if background:
             return ckpt.async_save(checkpoint_dir, state, save_overwrite=True)
