@@ -52,17 +52,17 @@ class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
     """The location holds no committed checkpoint (``metadata.json`` is missing)."""
 
 
+class ForeignCheckpointError(CheckpointError, ValueError):
+    """The location holds another library's checkpoint (for example Megatron-Core's
+    ``torch_dist``, whose ``metadata.json`` is a config of backends), not a shardsafe one."""
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A committed checkpoint is already there and ``save_overwrite`` was not set."""
 
 
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes or metadata are damaged: bad checksum, truncated file, invalid metadata."""
-
-
-class ForeignCheckpointError(CheckpointError, ValueError):
-    """The location holds another library's checkpoint (for example Megatron-Core's
-    ``torch_dist``, whose ``metadata.json`` is a config of backends), not a shardsafe one."""
 
 
 class MissingKeyError(CheckpointError, KeyError):
