@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
+    "ForeignCheckpointError",
     "IncompleteCheckpointError",
     "MissingKeyError",
     "MissingRanksError",
@@ -50,6 +51,11 @@ def _rebuild(cls: type[CheckpointError], message: str, rank_errors: dict[int, st
 
 class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
     """The location holds no committed checkpoint (``metadata.json`` is missing)."""
+
+
+class ForeignCheckpointError(CheckpointError, ValueError):
+    """The location holds another library's checkpoint (for example Megatron-Core's
+    ``torch_dist``, whose ``metadata.json`` is a config of backends), not a shardsafe one."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

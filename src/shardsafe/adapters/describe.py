@@ -4,7 +4,8 @@ Supported values: ``torch.Tensor`` / ``nn.Parameter`` (replicated: the same on e
 holds the key), ``DTensor`` with Shard / _StridedShard / Replicate placements on any mesh,
 :class:`ShardedTensor`, tensors that carry their own flat sharding spec (OLMo-core's
 ``ShardedFlatTensor``, see :mod:`.flat_sharded`), and non-tensor values (returned separately, for
-the JSON store). Any other ``torch.Tensor`` subclass is refused: its sharding is unknown, and
+the JSON store). Several :class:`ShardedTensor` values (under different names) may hold pieces of one
+key. Any other ``torch.Tensor`` subclass is refused: its sharding is unknown, and
 taking it for a replicated tensor could store one rank's part as the whole.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ShardingError
+from ..errors import CheckpointError, DtypeMismatchError, ShapeMismatchError, ShardingError
 from ..format.dtypes import dtype_name
 from ..planning.geometry import Piece, chunk_bounds
 from .flat_sharded import flat_sharding
@@ -59,6 +60,7 @@ def describe_state(state_dict: dict[str, Any], *, targets: bool = False) -> tupl
         raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     tensors: dict[str, LocalTensor] = {}
     objects: dict[str, Any] = {}
+    pieced: dict[str, str] = {}  # key -> first state-dict name, for keys described by ShardedTensors
     for name, value in state_dict.items():
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"state_dict keys must be non-empty strings, got {name!r}")
@@ -67,12 +69,38 @@ def describe_state(state_dict: dict[str, Any], *, targets: bool = False) -> tupl
             objects[name] = value
             continue
         if local.key in tensors or local.key in objects:
-            raise CheckpointError(f"key {local.key!r} appears twice in the state dict")
+            if local.key in pieced and isinstance(value, ShardedTensor):
+                _add_pieces(tensors[local.key], local, pieced[local.key], name)
+                continue
+            raise CheckpointError(
+                f"key {local.key!r} appears twice in the state dict (several pieces of one key on one rank "
+                "must each be a shardsafe.ShardedTensor)"
+            )
         tensors[local.key] = local
+        if isinstance(value, ShardedTensor):
+            pieced[local.key] = name
     for key in objects:
         if key in tensors:
             raise CheckpointError(f"key {key!r} appears twice in the state dict")
     return list(tensors.values()), objects
+
+
+def _add_pieces(into: LocalTensor, more: LocalTensor, first: str, name: str) -> None:
+    """Another piece of a key this rank already holds a piece of (stacked layers, several
+    flattened ranges, expert slices): same dtype and global shape, pieces side by side. Whether
+    the pieces overlap is for planning to check, with every rank's pieces."""
+    if more.dtype != into.dtype:
+        raise DtypeMismatchError(
+            f"key {into.key!r}: the ShardedTensor under {name!r} has dtype {more.dtype_name}, the one under {first!r} "
+            f"has {into.dtype_name}; the pieces of one key share its dtype"
+        )
+    if more.shape != into.shape:
+        raise ShapeMismatchError(
+            f"key {into.key!r}: the ShardedTensor under {name!r} has global shape {list(more.shape)}, the one under "
+            f"{first!r} has {list(into.shape)}; the pieces of one key share its global shape"
+        )
+    into.pieces.extend(more.pieces)
+    into.views.extend(more.views)
 
 
 def _describe(name: str, value: Any, targets: bool) -> LocalTensor | None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from ..errors import CorruptCheckpointError, DtypeMismatchError
+from ..errors import CorruptCheckpointError, DtypeMismatchError, ForeignCheckpointError
 from . import strict_json
 from .checksum import ALGORITHMS, ChunkSums, file_digest
 from .dtypes import torch_dtype
@@ -293,6 +293,12 @@ class StorageMetadata(BaseModel):
             doc = strict_json.loads(raw)
         except ValueError as e:
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
+        if isinstance(doc, dict) and "format_version" not in doc and "sharded_backend" in doc:
+            raise ForeignCheckpointError(
+                f"{where}: this is Megatron-Core's dist_checkpointing config (sharded_backend "
+                f"{str(doc['sharded_backend'])[:40]!r}), not shardsafe's commit record: the directory holds a checkpoint "
+                "Megatron-Core wrote, which shardsafe does not read; load it with megatron.core.dist_checkpointing"
+            )
         version = doc.get("format_version") if isinstance(doc, dict) else None
         if type(version) is not int or version < 1:
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: format_version must be a positive integer, found {version!r}")

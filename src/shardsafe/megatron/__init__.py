@@ -1,0 +1,61 @@
+"""``shardsafe.megatron``: Megatron-Core's ``dist_checkpointing`` API on shardsafe's engine.
+
+Code written for ``megatron.core.dist_checkpointing`` (v0.15 surface) runs by changing the
+import::
+
+    from shardsafe.megatron import ShardedTensor, load, save   # was: from megatron.core.dist_checkpointing import ...
+
+and then writes shardsafe checkpoints: one atomic commit, checksums on every byte read, no
+pickle, any layout (TP, PP, DP, EP, distributed-optimizer ranges) into any other. The submodules
+have Megatron's names: :mod:`.mapping`, :mod:`.serialization`, :mod:`.validation`, :mod:`.core`,
+:mod:`.dict_utils`, :mod:`.utils`, :mod:`.optimizer`, :mod:`.strategies`. megatron-core itself is never imported.
+"""
+
+from . import core, dict_utils, mapping, optimizer, serialization, strategies, utils, validation
+from .core import CheckpointingConfig, CheckpointingException, check_is_distributed_checkpoint
+from .mapping import (
+    LocalNonpersistentObject,
+    LocalNonpersitentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from .serialization import (
+    load,
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+)
+from .validation import StrictHandling
+
+__all__ = [
+    "CheckpointingConfig",
+    "CheckpointingException",
+    "LocalNonpersistentObject",
+    "LocalNonpersitentObject",
+    "ShardedObject",
+    "ShardedTensor",
+    "ShardedTensorFactory",
+    "StrictHandling",
+    "check_is_distributed_checkpoint",
+    "core",
+    "dict_utils",
+    "load",
+    "load_common_state_dict",
+    "load_content_metadata",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "mapping",
+    "optimizer",
+    "remove_sharded_tensors",
+    "save",
+    "serialization",
+    "strategies",
+    "utils",
+    "validation",
+]

@@ -1,0 +1,37 @@
+"""Save and load strategies, as in ``megatron.core.dist_checkpointing.strategies``.
+
+shardsafe.megatron has one backend, shardsafe's format (:mod:`.shardsafe`), registered as the
+default for ``"shardsafe"`` and, so that code asking Megatron's default ``"torch_dist"`` backend
+gets it, for ``"torch_dist"`` too.
+"""
+
+from .async_utils import AsyncRequest
+from .base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    LoadStrategyBase,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    SaveStrategyBase,
+    StrategyAction,
+    get_default_strategy,
+    register_default_strategy,
+)
+from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
+
+__all__ = [
+    "AsyncRequest",
+    "AsyncSaveShardedStrategy",
+    "LoadCommonStrategy",
+    "LoadShardedStrategy",
+    "LoadStrategyBase",
+    "SaveCommonStrategy",
+    "SaveShardedStrategy",
+    "SaveStrategyBase",
+    "ShardsafeLoadShardedStrategy",
+    "ShardsafeSaveShardedStrategy",
+    "StrategyAction",
+    "get_default_strategy",
+    "register_default_strategy",
+]
