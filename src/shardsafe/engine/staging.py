@@ -16,7 +16,6 @@ finished (the caller may then change the tensors).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -199,10 +198,13 @@ def _copy_unit(ring: StagingRing, j: int, src: torch.Tensor, nbytes: int, stream
 
 @torch.no_grad()
 def stage_pieces(tensors: list[Any], ring: StagingRing) -> list[Any]:
-    """Copy every piece of every tensor (``LocalTensor``s) into ``ring``, which must hold them all;
-    returns the same descriptions with views on the copies (contiguous, in host memory)."""
-    stream = None
-    out = []
+    """Copy every piece of every tensor (``LocalTensor``s) into ``ring``, which must hold them all
+    (it is this save's alone: laid out back to back, no waiting); returns the same descriptions
+    with views on the copies (contiguous, in host memory). Host copies go through one
+    ``_foreach_copy_`` (one dispatch, not one per piece)."""
+    buf = ring.buf
+    pos = 0
+    out, dsts, srcs, cuda = [], [], [], []
     for t in tensors:
         views = []
         for v in t.views:
@@ -210,19 +212,25 @@ def stage_pieces(tensors: list[Any], ring: StagingRing) -> list[Any]:
             if nbytes == 0:
                 views.append(torch.empty(v.shape, dtype=v.dtype))
                 continue
-            if v.device.type == "cuda" and stream is None:
-                stream = torch.cuda.Stream(device=v.device)
-                stream.wait_stream(torch.cuda.current_stream(v.device))
-            start = ring.alloc(nbytes, wait=False)
-            dst = ring.buf[start : start + nbytes].view(v.dtype).view(v.shape)
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    dst.copy_(v, non_blocking=True)
+            if pos + nbytes > ring.capacity:
+                raise ValueError(f"{nbytes} bytes do not fit what is left of the {ring.capacity}-byte staging buffer")
+            dst = buf[pos : pos + nbytes].view(v.dtype).view(v.shape)
+            pos += -(-nbytes // _ALIGN) * _ALIGN
+            if v.device.type == "cuda":
+                cuda.append((dst, v))
             else:
-                dst.copy_(v)
+                dsts.append(dst)
+                srcs.append(v)
             views.append(dst)
-        out.append(dataclasses.replace(t, views=views))
-    if stream is not None:
+        out.append(type(t)(t.key, t.dtype, t.dtype_name, t.shape, t.pieces, views))
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    if cuda:
+        stream = torch.cuda.Stream(device=cuda[0][1].device)
+        stream.wait_stream(torch.cuda.current_stream(cuda[0][1].device))
+        with torch.cuda.stream(stream):
+            for dst, v in cuda:
+                dst.copy_(v, non_blocking=True)
         stream.synchronize()
     return out
 

@@ -80,7 +80,8 @@ def async_save_state(
     """
     before_save(storage.url, max_in_flight=knobs.async_max_in_flight)
     side = background_comm(comm, timeout_s=knobs.collective_timeout_s)
-    tensors, objects = describe_state(state_dict)
+    with paused_gc():
+        tensors, objects = describe_state(state_dict)
     total = sum(_aligned(v.numel() * v.element_size()) for t in tensors for v in t.views)
     pinned = any(v.device.type == "cuda" for t in tensors for v in t.views)
     if total > knobs.async_staging_bytes:
@@ -92,7 +93,8 @@ def async_save_state(
 
     def produce() -> None:
         try:
-            staged.append(stage_pieces(tensors, ring))
+            with paused_gc():  # thousands of small objects: no collector pass while the caller waits
+                staged.append(stage_pieces(tensors, ring))
         except BaseException as e:
             staged.append(e)
             raise
