@@ -79,9 +79,7 @@ import argparse
 import gc
 import json
 import math
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import shutil
 import sys
 import time
@@ -92,11 +90,10 @@ from dataclasses import asdict, dataclass
 from statistics import median
 from typing import Any
 
-from iobench.harness import PeakRSS, _rss, free_port, trim_heap
+from iobench.harness import PeakRSS, _rss, run_ranks_collect, trim_heap
 from iobench.report import machine
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CTX = mp.get_context("spawn")
 _MiB = 1 << 20
 
 # name -> kind: "limit", "async" (a save in the background), "sync"
@@ -402,28 +399,7 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
 
 def run_world(cfg: Config, world: int, timeout: float = 3600.0) -> list[dict]:
     """Every method at one world size; returns every rank's records."""
-    out = _CTX.Queue()
-    port = free_port()
-    procs = [_CTX.Process(target=_rank_main, args=(r, world, port, cfg, out), daemon=False) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, list[dict]] = {}
-    try:
-        while len(got) < world:
-            try:
-                rank, ok, value = out.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise TimeoutError(f"world size {world}: ranks {sorted(set(range(world)) - set(got))} timed out") from None
-            if not ok:
-                raise RuntimeError(f"world size {world}, rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [r for recs in got.values() for r in recs]
+    return run_ranks_collect(_rank_main, world, cfg, timeout=timeout, daemon=False, join_s=60)
 
 
 # ---------------------------------------------------------------- summary

@@ -296,9 +296,17 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
 
 def run_phase(cfg: Config, world: int, timeout: float = 3600.0) -> list[dict]:
     """Every operation of one world size; returns one merged record per (case, op, method, rep)."""
+    return merge_ranks(run_ranks_collect(_rank_main, world, cfg, timeout=timeout, daemon=True, join_s=30))
+
+
+def run_ranks_collect(
+    target, world: int, cfg: Any, *, timeout: float = 3600.0, daemon: bool = True, join_s: float = 30
+) -> list[dict]:
+    """Run ``target(rank, world, port, cfg, out)`` in one spawned process per rank (gloo on a free
+    port); each puts ``(rank, ok, records or traceback)`` on ``out``. Returns every rank's records."""
     out = _CTX.Queue()
     port = free_port()
-    procs = [_CTX.Process(target=_rank_main, args=(r, world, port, cfg, out), daemon=True) for r in range(world)]
+    procs = [_CTX.Process(target=target, args=(r, world, port, cfg, out), daemon=daemon) for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, list[dict]] = {}
@@ -313,11 +321,11 @@ def run_phase(cfg: Config, world: int, timeout: float = 3600.0) -> list[dict]:
             got[rank] = value
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=join_s)
             if p.is_alive():
                 p.kill()
                 p.join()
-    return merge_ranks([r for recs in got.values() for r in recs])
+    return [r for recs in got.values() for r in recs]
 
 
 def merge_ranks(records: list[dict]) -> list[dict]:
