@@ -99,8 +99,8 @@ def _save_model_and_optim(
     # an async save's ranks meet in the background (see async_save_state)
     comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s, arrive=not background)
     if not background:
-        return ckpt._save(storage, state, save_overwrite, comm)[1]
-    return ckpt._async_save(storage, state, save_overwrite, comm, result=lambda out: out[1])
+        return ckpt._save(storage, state, save_overwrite, comm, want_meta=False)[1]  # only the files are returned
+    return ckpt._async_save(storage, state, save_overwrite, comm, result=lambda out: out[1], want_meta=False)
 
 
 def load_model_and_optim_state(

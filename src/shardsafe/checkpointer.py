@@ -90,15 +90,21 @@ class Checkpointer:
         return self._async_save(storage, state_dict, save_overwrite, comm)
 
     def _async_save(
-        self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm, *, result: Any = None
+        self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm, *, result: Any = None,
+        want_meta: bool = True,
     ) -> AsyncSave[Any]:
         return async_save_state(
             storage, state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle, comm=comm, knobs=self.knobs,
-            result=result,
+            result=result, want_meta=want_meta,
         )
 
-    def _save(self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm) -> tuple[StorageMetadata, list[str]]:
-        return save_state(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle, comm=comm, knobs=self.knobs)
+    def _save(
+        self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm, *, want_meta: bool = True
+    ) -> tuple[StorageMetadata, list[str]]:
+        return save_state(  # type: ignore[return-value]  # the metadata is there when want_meta
+            storage, state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle, comm=comm, knobs=self.knobs,
+            want_meta=want_meta,
+        )
 
     def load(
         self,

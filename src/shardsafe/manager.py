@@ -220,7 +220,9 @@ class CheckpointManager:
             detail = "; ".join(f"rank {comm.global_ranks[r]}: {n}" for r, n in enumerate(names))
             raise RankMismatchError(f"{func}: step {step}: every rank must pass the same extra names ({detail})")
         state = built
-        handle = self._ckpt.async_save(self._root.child(step_dir_name(step)), state, process_group=self._group)
+        # the ranks meet in the background; only committed-or-not travels back, not the metadata
+        save_comm = self._ckpt._comm("async_save", False, self._group, arrive=False)
+        handle = self._ckpt._async_save(self._root.child(step_dir_name(step)), state, False, save_comm, want_meta=False)
         self._inflight = (step, handle)
         self._requested = False
         if not self._async:

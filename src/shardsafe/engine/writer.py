@@ -54,18 +54,19 @@ _OUR_TEMP_FILES = re.compile(r"^metadata\.json\.tmp-[0-9a-f]{32}$")  # LocalStor
 
 
 def save_state(
-    storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs
-) -> tuple[StorageMetadata, list[str]]:
+    storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
+    want_meta: bool = True,
+) -> tuple[StorageMetadata | None, list[str]]:
     """A synchronous save: the async path with no staging copy (this rank's bytes are read from
     the caller's tensors while it waits) and the last phase in the caller's thread."""
     before_save(storage.url, max_in_flight=None)
     p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
-    return _finish(p, comm, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)))
+    return _finish(p, comm, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)), want_meta=want_meta)
 
 
 def async_save_state(
     storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
-    result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None = None,
+    result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None = None, want_meta: bool = True,
 ) -> AsyncSave[Any]:
     """Stage this rank's state into a reused buffer and return; the planning, the write and the
     commit go on in the background (see :mod:`.background`). The save's outcome is what
@@ -86,7 +87,7 @@ def async_save_state(
     pinned = any(v.device.type == "cuda" for t in tensors for v in t.views)
     if total > knobs.async_staging_bytes:
         comm.arrive(knobs.collective_timeout_s)
-        return _async_save_in_parts(storage, state_dict, save_overwrite, allow_pickle, comm, side, knobs, result)
+        return _async_save_in_parts(storage, state_dict, save_overwrite, allow_pickle, comm, side, knobs, result, want_meta)
     encoded = encode_objects(objects, allow_pickle=allow_pickle)  # a snapshot of the values, too
     ring = RINGS.acquire(total, pinned=pinned)
     staged: list[Any] = []
@@ -113,7 +114,7 @@ def async_save_state(
         try:
             side.arrive(knobs.collective_timeout_s)
             p = _prepare(storage, {}, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=side, knobs=knobs, described=described)
-            out = _finish(p, side, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)))
+            out = _finish(p, side, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)), want_meta=want_meta)
         finally:
             ready.wait()  # the staging copies are done (or failed): the buffer may be reused
             RINGS.release(ring)
@@ -129,7 +130,7 @@ def _aligned(n: int) -> int:
 
 def _async_save_in_parts(
     storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, allow_pickle: bool, comm: Comm, side: Comm,
-    knobs: Knobs, result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None,
+    knobs: Knobs, result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None, want_meta: bool,
 ) -> AsyncSave[Any]:
     """An async save of a rank whose state exceeds the staging budget: plan first (in the caller's
     thread, with ``comm``), then stage only this rank's share through the buffer as the writer
@@ -164,7 +165,7 @@ def _async_save_in_parts(
             ring.abort()  # a producer still waiting for room stops: the save failed
             RINGS.release(ring)
 
-        out = _finish(p, side, units, after_write=done_writing)
+        out = _finish(p, side, units, after_write=done_writing, want_meta=want_meta)
         return result(out) if result is not None else out
 
     return run_in_background(storage.url, produce, consume, name=f"shardsafe-save-{p.save_id}")
@@ -273,9 +274,14 @@ def _prepare(
 
 
 def _finish(
-    p: _Prepared, comm: Comm, units: Iterable[Unit], *, after_write: Callable[[], None] | None = None
-) -> tuple[StorageMetadata, list[str]]:
-    """Write this rank's file from ``units``, then commit (the coordinator) with ``comm``'s ranks."""
+    p: _Prepared, comm: Comm, units: Iterable[Unit], *, after_write: Callable[[], None] | None = None, want_meta: bool = True
+) -> tuple[StorageMetadata | None, list[str]]:
+    """Write this rank's file from ``units``, then commit (the coordinator) with ``comm``'s ranks.
+
+    Returns the committed metadata and this rank's files; without ``want_meta`` the other ranks
+    get None for the metadata, and the coordinator broadcasts only that the save committed (at
+    thousands of ranks the metadata is tens of megabytes to send and seconds to parse).
+    """
     storage, save_overwrite, mine, save_id, state, knobs = p.storage, p.save_overwrite, p.mine, p.save_id, p.state, p.knobs
 
     def write() -> list[str]:
@@ -306,7 +312,7 @@ def _finish(
             raise
         state["meta"] = meta  # committed: from here on the save has succeeded, whatever else fails
         _sweep(storage, state["listed"], keep=meta.data_files())
-        return raw
+        return raw if want_meta else b""
 
     try:
         raw = comm.broadcast(commit)
@@ -324,7 +330,9 @@ def _finish(
                 f"{storage.url.rstrip('/')}/{METADATA_FILENAME} exists and names data files ending in -{save_id}.safetensors "
                 "(it is written last, atomically); otherwise nothing of this save was committed"
             ) from e
-    meta = state.get("meta") or StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}")
+    meta = state.get("meta")
+    if meta is None and want_meta:
+        meta = StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}")
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
     return meta, files
 
