@@ -5,7 +5,7 @@ default for ``"shardsafe"`` and, so that code asking Megatron's default ``"torch
 gets it, for ``"torch_dist"`` too.
 """
 
-from .async_utils import AsyncRequest
+from .async_utils import AsyncCallsQueue, AsyncRequest
 from .base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -21,6 +21,7 @@ from .base import (
 from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
 
 __all__ = [
+    "AsyncCallsQueue",
     "AsyncRequest",
     "AsyncSaveShardedStrategy",
     "LoadCommonStrategy",

@@ -58,7 +58,7 @@ from ..validation import (
     check_global_sharding,
     describe_local,
 )
-from .async_utils import AsyncRequest
+from .async_utils import AsyncRequest, request_for
 from .base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -408,15 +408,6 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 + (f" (it holds {cells[:5]} of key {v.key!r}: was it saved with another global shape?)" if cells else "")
             )
         return decode_value(meta.objects[key], where=f"{checkpoint_dir}: ShardedObject {key!r}", allow_pickle=self.allow_pickle)
-
-
-def request_for(pending: AsyncSave) -> AsyncRequest:
-    """The :class:`AsyncRequest` that completes ``pending``."""
-    return AsyncRequest(_wait_for, (pending,), [])
-
-
-def _wait_for(pending: AsyncSave) -> None:
-    pending.wait()
 
 
 def _put_object(state: dict[str, Any], v: ShardedObject, allow_pickle: bool) -> None:
