@@ -18,12 +18,15 @@ from .base import (
     get_default_strategy,
     register_default_strategy,
 )
+from .fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
 from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
 
 __all__ = [
     "AsyncCallsQueue",
     "AsyncRequest",
     "AsyncSaveShardedStrategy",
+    "FullyParallelLoadStrategyWrapper",
+    "FullyParallelSaveStrategyWrapper",
     "LoadCommonStrategy",
     "LoadShardedStrategy",
     "LoadStrategyBase",

@@ -26,6 +26,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
+from os import PathLike, fspath
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,6 +40,7 @@ from ...engine.background import AsyncSave
 from ...errors import ForeignCheckpointError, IncompleteCheckpointError
 from ...format.metadata import METADATA_FILENAME, StorageMetadata
 from ...knobs import Knobs
+from ...storage import Storage
 from .._values import decode_value, encode_value
 from ..core import (
     CONFIG_KEY,
@@ -365,7 +367,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
             log.warning("%s", _mismatch_text(missing, {comm.global_rank: sorted(unexpected)} if unexpected else {}, str(checkpoint_dir)))
         if strict == StrictHandling.IGNORE_ALL:
             missing, unexpected = set(), set()
-        Checkpointer(allow_pickle=False, knobs=self.knobs).load(str(checkpoint_dir), prepared["targets"], metadata=meta)
+        self.read_targets(checkpoint_dir, prepared["targets"], meta)
         objects = prepared["objects"]
 
         def result(v: Any) -> Any:
@@ -375,6 +377,11 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
 
         loaded = dict_list_map_inplace(result, prepared["sharded"])
         return loaded, set(missing), set(unexpected)  # type: ignore[return-value]
+
+    def read_targets(self, checkpoint_dir: str | Path | Storage, targets: dict[str, adapters.ShardedTensor], meta: StorageMetadata) -> None:
+        """Fill ``targets`` (the engine's pieces, sharing the requested tensors) from the checkpoint.
+        Every rank calls it together, each with its own targets."""
+        Checkpointer(allow_pickle=False, knobs=self.knobs).load(location(checkpoint_dir), targets, metadata=meta)
 
     def _targets(
         self, sharded_state_dict: ShardedStateDict, meta: StorageMetadata, checkpoint_dir: Any
@@ -454,11 +461,17 @@ def _piece(v: ShardedTensor, *, saving: bool, stored_shape: tuple[int, ...] | No
     )
 
 
+def location(checkpoint_dir: str | Path | Storage) -> str | Storage:
+    """Where the engine finds the checkpoint: a path or URL as a string, or an opened
+    :class:`~shardsafe.storage.Storage` as it is."""
+    return checkpoint_dir if not isinstance(checkpoint_dir, (str, PathLike)) else fspath(checkpoint_dir)
+
+
 def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool) -> StorageMetadata:
     """The checkpoint's metadata (read once and broadcast unless ``no_dist``), or
     ``CheckpointingException`` when the directory holds none or holds Megatron-Core's own format."""
     try:
-        return Checkpointer().get_metadata(str(checkpoint_dir), no_dist=no_dist)
+        return Checkpointer().get_metadata(location(checkpoint_dir), no_dist=no_dist)
     except ForeignCheckpointError as e:
         config = maybe_load_config(str(checkpoint_dir))
         backend = config.sharded_backend if config is not None else "unknown"
