@@ -102,6 +102,10 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
     ``knobs`` tune the engine (default: ``shardsafe.knobs.KNOBS``).
     """
 
+    common_backend: tuple[str, int] = (SHARDSAFE_BACKEND, FORMAT_VERSION)
+    """Where the common state lives, as the stored config says: shardsafe's own saves keep it in
+    ``metadata.json``; a save driven by Megatron-Core's ``save`` has it in ``common.pt``."""
+
     def __init__(self, backend: str = SHARDSAFE_BACKEND, version: int = FORMAT_VERSION, *, allow_pickle: bool = False, knobs: Knobs | None = None) -> None:
         super().__init__(backend, version)
         self.allow_pickle = allow_pickle
@@ -142,7 +146,7 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
         group = tuple(comm.global_ranks)
         state: dict[str, Any] = {}
         mine: dict[str, Any] = {}
-        config = CheckpointingConfig(self.backend, self.version, SHARDSAFE_BACKEND, FORMAT_VERSION)
+        config = CheckpointingConfig(self.backend, self.version, *self.common_backend)
 
         def describe(full: bool) -> _Sent:
             if not mine:
