@@ -20,6 +20,7 @@ from .base import (
 )
 from .fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
 from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
+from .torch_dist import TorchDistLoadShardedStrategy
 
 __all__ = [
     "AsyncCallsQueue",
@@ -36,6 +37,7 @@ __all__ = [
     "ShardsafeLoadShardedStrategy",
     "ShardsafeSaveShardedStrategy",
     "StrategyAction",
+    "TorchDistLoadShardedStrategy",
     "get_default_strategy",
     "register_default_strategy",
 ]

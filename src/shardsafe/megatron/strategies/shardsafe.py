@@ -480,9 +480,9 @@ def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool) -> StorageMetada
         config = maybe_load_config(str(checkpoint_dir))
         backend = config.sharded_backend if config is not None else "unknown"
         raise CheckpointingException(
-            f"{checkpoint_dir} holds a checkpoint Megatron-Core wrote (sharded_backend {backend!r}); shardsafe.megatron "
-            "does not import Megatron's own formats yet: load it with megatron.core.dist_checkpointing and save it "
-            "again through shardsafe.megatron"
+            f"{checkpoint_dir} holds a checkpoint Megatron-Core wrote (sharded_backend {backend!r}), not a shardsafe one: "
+            "shardsafe.megatron.serialization.load and its metadata readers read 'torch_dist' checkpoints (with the "
+            "default sharded_strategy); other Megatron formats load with megatron.core.dist_checkpointing"
         ) from e
     except IncompleteCheckpointError as e:
         raise NotADistributedCheckpointError(f"{checkpoint_dir} is not a distributed checkpoint: {e}") from e
