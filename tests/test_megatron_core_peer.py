@@ -45,12 +45,16 @@ def _through_megatron(rank: int, world: int, root: str) -> dict:
     import shardsafe
     from shardsafe.megatron import register_with_megatron
 
-    register_with_megatron()
-    register_with_megatron()  # twice: nothing changes
     out: dict = {}
-    sync_dir, async_dir = os.path.join(root, "sync"), os.path.join(root, "async")
+    sync_dir, async_dir, ours_dir = os.path.join(root, "sync"), os.path.join(root, "async"), os.path.join(root, "ours")
     for d in (sync_dir, async_dir):
         os.makedirs(d, exist_ok=True)
+    try:  # before registering, Megatron knows no such backend
+        mdc.save(_megatron_state(rank, world, 1.0), sync_dir, sharded_strategy=("shardsafe", 1))
+    except mdc.core.CheckpointingException as e:
+        out["before"] = str(e)
+    register_with_megatron()
+    register_with_megatron()  # twice: nothing changes
     mdc.save(_megatron_state(rank, world, 1.0), sync_dir, sharded_strategy=("shardsafe", 1))
     request = mdc.save(_megatron_state(rank, world, 2.0), async_dir, sharded_strategy=("shardsafe", 1), async_sharded_save=True)
     queue = AsyncCallsQueue()
@@ -69,6 +73,19 @@ def _through_megatron(rank: int, world: int, root: str) -> dict:
             "unshard": None if whole is None else torch.equal(whole, torch.cat([torch.arange(8.0).reshape(2, 4) + 100 * r + value for r in range(world)])),
             "verify": shardsafe.verify(d).chunks if rank == 0 else None,
         }
+    # Megatron's checkpoint through shardsafe.megatron (its common state is Megatron's common.pt)
+    from shardsafe.megatron import ShardedObject, ShardedTensor, load, save
+
+    got = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, rank, world))}, sync_dir)
+    out["ours_load"] = (torch.equal(got["w"], torch.arange(8.0).reshape(2, 4) + 100 * rank + 1.0), got["iteration"], vars(got["args"]))
+    # shardsafe.megatron's checkpoint through Megatron (the common state is inside metadata.json)
+    save({
+        "w": ShardedTensor.from_rank_offsets("w", torch.full((2, 4), 3.0 + rank), (0, rank, world)),
+        "rng": ShardedObject("rng", {"seed": 10 + rank}, (world,), (rank,)),
+        "iteration": 3,
+    }, ours_dir)
+    got = mdc.load(_megatron_state(rank, world, 0.0, load=True) | {"b": None, "args": None}, ours_dir)
+    out["megatron_load"] = (torch.equal(got["w"], torch.full((2, 4), 3.0 + rank)), got["rng"], got["iteration"])
     return out
 
 
@@ -84,5 +101,8 @@ def test_megatron_save_and_load_run_on_shardsafe_strategies(tmp_path):
             assert got["config"] == (
                 "CheckpointingConfig(sharded_backend='shardsafe', sharded_backend_version=1, common_backend='torch', common_backend_version=1)"
             )
+        assert r["before"] == "Cannot find a default strategy for: ('save_sharded', 'shardsafe', 1)"
+        assert r["ours_load"] == (True, 1, {"lr": 0.5, "tp": 2})
+        assert r["megatron_load"] == (True, {"seed": 10 + rank}, 3)
     assert results[0]["sync"]["unshard"] and results[0]["async"]["unshard"]
     assert results[0]["sync"]["verify"] == results[0]["async"]["verify"] > 0

@@ -261,7 +261,14 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         return self.common_of(read_metadata(checkpoint_dir, no_dist=True), checkpoint_dir)
 
     def common_of(self, meta: StorageMetadata, checkpoint_dir: str | Path) -> StateDict:
-        """The common state stored in ``meta`` (``{}`` for a checkpoint saved without one)."""
+        """The common state stored in ``meta`` (``{}`` for a checkpoint saved without one); for a
+        checkpoint that megatron-core's ``save`` wrote through shardsafe's strategy (its config says
+        ``common_backend="torch"``), Megatron's ``common.pt`` beside it, read safely."""
+        config = meta.objects.get(CONFIG_KEY)
+        if isinstance(config, dict) and config.get("common_backend") == "torch":
+            from .torch_dist import read_common_pt
+
+            return read_common_pt(checkpoint_dir, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
         if COMMON_KEY not in meta.objects:
             return {}
         common = decode_value(meta.objects[COMMON_KEY], where=f"{checkpoint_dir}: the common state", allow_pickle=self.allow_pickle)

@@ -44,6 +44,41 @@ COMMON_ALLOWLIST: list[Any] = [argparse.Namespace, types.SimpleNamespace]
 (tensors, dtypes, containers, numbers, strings): what Megatron stores there."""
 
 
+def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str) -> Any:
+    """What ``torch.save`` wrote in ``raw``, read by torch's safe loader with :data:`COMMON_ALLOWLIST`
+    added; a pickle it refuses raises ``CheckpointingException`` unless ``allow_pickle``."""
+    try:
+        with torch.serialization.safe_globals(COMMON_ALLOWLIST):
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not allow_pickle:
+            raise CheckpointingException(
+                f"{where} holds a pickle that torch's safe loader refuses, even with {[c.__qualname__ for c in COMMON_ALLOWLIST]} "
+                f"allowed ({str(e).splitlines()[0][:200]}); loading it can run arbitrary code. Pass "
+                f"sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
+            ) from None
+    except Exception as e:  # noqa: BLE001 - a damaged file
+        raise CheckpointingException(f"{where}: cannot read it: {type(e).__name__}: {str(e)[:300]}") from None
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+
+
+def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str) -> StateDict:
+    """Megatron's ``common.pt`` in ``checkpoint_dir`` (``{}`` if there is none)."""
+    storage = open_storage(location(checkpoint_dir))
+    try:
+        raw = storage.read(COMMON_FNAME)
+    except FileNotFoundError:
+        return {}
+    finally:
+        if storage is not checkpoint_dir:
+            storage.close()
+    where = f"{checkpoint_dir}/{COMMON_FNAME}"
+    common = safe_torch_load(bytes(raw), where, allow_pickle=allow_pickle, strategy=strategy)
+    if not isinstance(common, dict):
+        raise CheckpointingException(f"{where} holds a {type(common).__name__}, not a dict")
+    return common
+
+
 def is_torch_dist_checkpoint(checkpoint_dir: str | Path | Storage) -> bool:
     """True if ``checkpoint_dir`` holds DCP's ``.metadata`` (a torch_dist checkpoint)."""
     storage = open_storage(location(checkpoint_dir))
@@ -130,18 +165,8 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
         return out
 
     def common_of(self, meta: Any, checkpoint_dir: str | Path | Storage) -> StateDict:
-        storage = open_storage(location(checkpoint_dir))
-        try:
-            raw = storage.read(COMMON_FNAME)
-        except FileNotFoundError:
-            return {}
-        finally:
-            if storage is not checkpoint_dir:
-                storage.close()
-        common = self._unpickle(bytes(raw), f"{checkpoint_dir}/{COMMON_FNAME}")
-        if not isinstance(common, dict):
-            raise CheckpointingException(f"{checkpoint_dir}/{COMMON_FNAME} holds a {type(common).__name__}, not a dict")
-        return common
+        """Megatron's ``common.pt`` (``{}`` if there is none)."""
+        return read_common_pt(checkpoint_dir, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
 
     def load_common(self, checkpoint_dir: str | Path) -> StateDict:
         return self.common_of(None, checkpoint_dir)
@@ -165,17 +190,7 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
         return stored[0]
 
     def _unpickle(self, raw: bytes, where: str) -> Any:
-        try:
-            with torch.serialization.safe_globals(COMMON_ALLOWLIST):
-                return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            if not self.allow_pickle:
-                raise CheckpointingException(
-                    f"{where} holds a pickle that torch's safe loader refuses, even with {[c.__qualname__ for c in COMMON_ALLOWLIST]} "
-                    f"allowed ({str(e).splitlines()[0][:200]}); loading it can run arbitrary code. Pass "
-                    "sharded_strategy=TorchDistLoadShardedStrategy(allow_pickle=True) only if you trust this checkpoint"
-                ) from None
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        return safe_torch_load(raw, where, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
 
     def read_targets(self, checkpoint_dir: str | Path | Storage, targets: dict[str, adapters.ShardedTensor], meta: Any) -> None:
         storage = open_storage(location(checkpoint_dir))
