@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+import shardsafe
 from shardsafe.megatron import CheckpointingException, ShardedObject, ShardedTensor, load, load_common_state_dict, save
 from shardsafe.megatron.strategies import AsyncCallsQueue, AsyncRequest
 from tests.distributed import run_ranks
@@ -130,3 +131,41 @@ def test_queue_in_one_process_runs_foreign_requests_and_preload(tmp_path):
     queue.close()
     assert queue.get_num_unfinalized_calls() == 0
     assert torch.equal(load({"x": ShardedTensor.from_rank_offsets("x", torch.zeros(4))}, path)["x"], torch.arange(4.0))
+
+
+class _FailingWrites:
+    """A local checkpoint directory whose data files cannot be written (a full disk)."""
+
+    def __init__(self, path: str) -> None:
+        from shardsafe.storage import open_storage
+
+        self.inner = open_storage(path)
+
+    def write_file(self, name: str):
+        raise OSError(28, "No space left on device", name)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def _save_fails_in_background(rank: int, world: int, root: str) -> dict:
+    queue = AsyncCallsQueue()
+    ran: list[str] = []
+    where = _FailingWrites(os.path.join(root, "c")) if rank == 1 else os.path.join(root, "c")
+    request = save(_state(rank, world, 3.0), where, async_sharded_save=True)
+    request.add_finalize_fn(lambda: ran.append("finalized"))
+    queue.schedule_async_request(request)
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return {"type": type(e).__name__, "is_checkpoint_error": isinstance(e, shardsafe.CheckpointError), "message": str(e),
+                "ran": ran, "left": queue.get_num_unfinalized_calls(), "committed": os.path.exists(os.path.join(root, "c", "metadata.json"))}
+    return {"ran": ran}
+
+
+def test_a_background_save_that_fails_on_one_rank_raises_on_every_rank_without_finalizing(tmp_path):
+    results = run_ranks(2, _save_fails_in_background, str(tmp_path))
+    for r in results:
+        assert r["is_checkpoint_error"] and r["ran"] == [] and r["left"] == 0 and not r["committed"]
+        assert "rank 1" in r["message"] and "No space left on device" in r["message"], r["message"]
+    assert results[0]["type"] == results[1]["type"]
