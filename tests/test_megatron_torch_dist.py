@@ -136,3 +136,29 @@ def test_torch_dist_metadata_readers_need_no_process_group(torch_dist_dir):
     assert sorted(load_sharded_metadata(torch_dist_dir)) == ["b", "layers", "opt", "rng/shard_0_2", "rng/shard_1_2", "w"]
     plain = load_plain_tensors(torch_dist_dir)
     assert sorted(plain) == sorted(t) and all(torch.equal(plain[k], t[k]) for k in t)
+
+
+def _fully_parallel_torch_dist(rank: int, world: int, path: str) -> dict:
+    from shardsafe.megatron.strategies import FullyParallelLoadStrategyWrapper, TorchDistLoadShardedStrategy
+    from tests.test_megatron_fully_parallel import CountingStorage
+
+    t = _truth()
+    out = {}
+    for name, strategy in (("plain", TorchDistLoadShardedStrategy()), ("parallel", FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()))):
+        storage = CountingStorage(path)
+        request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v), replica_id=rank) for k, v in t.items()}  # DP replicas
+        got = load(request, storage, sharded_strategy=strategy)
+        out[name] = (storage.data_bytes, all(torch.equal(got[k], t[k]) for k in t), got["iteration"])
+    return out
+
+
+def test_fully_parallel_load_of_a_torch_dist_checkpoint_reads_each_chunk_once_per_group(torch_dist_dir):
+    from shardsafe.dcp import dcp_format
+    from shardsafe.storage import open_storage
+
+    ckpt = dcp_format.read_dcp_checkpoint(open_storage(torch_dist_dir))
+    stored = sum(item.length for _, _, chunks in ckpt.tensors.values() for _, _, item in chunks)
+    results = run_ranks(2, _fully_parallel_torch_dist, torch_dist_dir)
+    assert all(r[name][1:] == (True, 7) for r in results for name in ("plain", "parallel"))
+    assert [r["plain"][0] for r in results] == [stored, stored]  # every replica reads every chunk
+    assert sum(r["parallel"][0] for r in results) == stored  # the group reads each chunk once

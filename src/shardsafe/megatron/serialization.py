@@ -135,8 +135,8 @@ def load(
     strict = parse_strict_flag(strict)
     strategy = _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), common_strategy)
     meta: Any
-    if isinstance(strategy, TorchDistLoadShardedStrategy):
-        meta = strategy.view(checkpoint_dir)
+    if _reads_torch_dist(strategy):
+        meta = strategy.view(checkpoint_dir)  # type: ignore[attr-defined]
     else:
         meta = read_metadata(checkpoint_dir, no_dist=False)
         config = config_of(meta)
@@ -168,6 +168,11 @@ def _is_torch_dist(checkpoint_dir: Any) -> bool:
         return False
     config = maybe_load_config(location(checkpoint_dir))
     return config is not None and config.sharded_backend == "torch_dist"
+
+
+def _reads_torch_dist(strategy: Any) -> bool:
+    """Whether ``strategy`` (or the strategy it wraps) reads megatron-core torch_dist checkpoints."""
+    return isinstance(strategy, TorchDistLoadShardedStrategy) or isinstance(getattr(strategy, "base_strategy", None), TorchDistLoadShardedStrategy)
 
 
 def _for_dir(checkpoint_dir: Any, sharded_strategy: Any) -> Any:
@@ -261,8 +266,13 @@ def verify_checkpoint_and_load_strategy(
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """The strategies that load the checkpoint at ``checkpoint_dir`` (shardsafe's strategy loads
     both parts), after checking that it is a checkpoint they read."""
-    strategy = _load_strategy(sharded_strategy, common_strategy)
-    config = config_of(read_metadata(checkpoint_dir, no_dist=True))
+    strategy = _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), common_strategy)
+    if _reads_torch_dist(strategy):
+        config = maybe_load_config(location(checkpoint_dir))
+        if config is None or not _is_torch_dist(checkpoint_dir):
+            raise CheckpointingException(f"{checkpoint_dir} is not a megatron-core torch_dist checkpoint (no .metadata or no Megatron metadata.json)")
+    else:
+        config = config_of(read_metadata(checkpoint_dir, no_dist=True))
     strategy.check_backend_compatibility(config.sharded_backend)
     strategy.check_version_compatibility(config.sharded_backend_version)
     return strategy, strategy

@@ -101,6 +101,32 @@ class FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy):
         self.exchange_algo = _EXCHANGE_ALGOS[exchange_algo]
         self.cached_distribution: tuple[list[str], _Plan] | None = None
 
+    # what the wrapped strategy knows of its checkpoints (shardsafe's or torch_dist), it still decides
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        self.base_strategy.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        self.base_strategy.check_version_compatibility(loaded_version)
+
+    def common_of(self, meta: Any, checkpoint_dir: str | Path | Storage) -> Any:
+        return self.base_strategy.common_of(meta, checkpoint_dir)
+
+    def load_common(self, checkpoint_dir: str | Path) -> Any:
+        return self.base_strategy.load_common(checkpoint_dir)
+
+    def load_tensors_metadata(self, checkpoint_dir: str | Path) -> Any:
+        return self.base_strategy.load_tensors_metadata(checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> Any:
+        return self.base_strategy.load_sharded_metadata(checkpoint_dir)
+
+    def view(self, checkpoint_dir: str | Path | Storage) -> Any:
+        """The wrapped torch_dist strategy's view of the checkpoint (see ``TorchDistLoadShardedStrategy``)."""
+        return self.base_strategy.view(checkpoint_dir)  # type: ignore[attr-defined]
+
+    def _object(self, v: Any, meta: Any, checkpoint_dir: Any) -> Any:
+        return self.base_strategy._object(v, meta, checkpoint_dir)
+
     def read_targets(self, checkpoint_dir: str | Path | Storage, targets: dict[str, adapters.ShardedTensor], meta: StorageMetadata) -> None:
         """Read this rank's share of the group's distinct pieces, then exchange them in the group."""
         comm = get_comm(process_group=self.parallelization_group, call="FullyParallelLoadStrategyWrapper")
