@@ -134,6 +134,10 @@ def test_torch_dist_metadata_readers_need_no_process_group(torch_dist_dir):
     meta = load_tensors_metadata(torch_dist_dir)
     assert {k: (v.global_shape, v.dtype) for k, v in meta.items()} == {k: (tuple(v.shape), v.dtype) for k, v in t.items()}
     assert sorted(load_sharded_metadata(torch_dist_dir)) == ["b", "layers", "opt", "rng/shard_0_2", "rng/shard_1_2", "w"]
+    from shardsafe.megatron import serialization
+    from shardsafe.megatron.strategies import TorchDistLoadShardedStrategy
+
+    assert type(serialization.get_default_load_sharded_strategy(torch_dist_dir)) is TorchDistLoadShardedStrategy
     plain = load_plain_tensors(torch_dist_dir)
     assert sorted(plain) == sorted(t) and all(torch.equal(plain[k], t[k]) for k in t)
 
