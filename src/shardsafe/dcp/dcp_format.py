@@ -58,6 +58,8 @@ _ALLOWED: dict[str, frozenset[str]] = {
         }
     ),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    # the save plans megatron-core's torch_dist backend keeps in .metadata (MCoreMetadata.all_local_plans)
+    "torch.distributed.checkpoint.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}),
     # DCP of torch < 2.2 kept TensorProperties here
     "torch.distributed._shard.sharded_tensor.metadata": frozenset({"TensorProperties", "MEM_FORMAT_ENCODING"}),
     "torch.serialization": frozenset({"_get_layout"}),  # a layout by name: torch.strided
@@ -68,6 +70,34 @@ _ALLOWED: dict[str, frozenset[str]] = {
 }
 _DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive format
+
+
+_MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+_MCORE_CLASSES: dict[str, type] = {}
+
+
+def _mcore_class(name: str) -> type:
+    """Stand-ins for megatron-core's ``MCoreMetadata`` and ``MCoreSavePlan`` (DCP's ``Metadata``
+    and ``SavePlan`` plus ``mcore_data``, what Megatron's ``torch_dist`` backend writes to
+    ``.metadata``), so that reading it needs no megatron-core and runs none of its code."""
+    if not _MCORE_CLASSES:
+        from dataclasses import dataclass
+
+        from torch.distributed.checkpoint.metadata import Metadata
+        from torch.distributed.checkpoint.planner import SavePlan
+
+        @dataclass
+        class MCoreMetadata(Metadata):
+            mcore_data: dict | None = None
+
+        @dataclass(frozen=True)
+        class MCoreSavePlan(SavePlan):
+            mcore_data: dict | None = None
+
+        _MCORE_CLASSES.update(MCoreMetadata=MCoreMetadata, MCoreSavePlan=MCoreSavePlan)
+    return _MCORE_CLASSES[name]
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -81,6 +111,8 @@ class SafeUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == _MCORE_TORCH and name in ("MCoreMetadata", "MCoreSavePlan"):
+            return _mcore_class(name)
         allowed = _ALLOWED.get(module, frozenset())
         if name in allowed or (module == "torch" and name in _DTYPES):
             try:

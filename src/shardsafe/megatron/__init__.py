@@ -32,6 +32,17 @@ from .serialization import (
 )
 from .validation import StrictHandling
 
+
+def register_with_megatron() -> None:
+    """Register shardsafe's strategies with megatron-core (see
+    :func:`shardsafe.megatron.megatron_core.register_with_megatron`); needs ``pip install megatron-core``."""
+    try:
+        from .megatron_core import register_with_megatron as register
+    except ImportError as e:
+        raise ImportError(f"shardsafe.megatron.register_with_megatron needs megatron-core (pip install megatron-core): {e}") from e
+    register()
+
+
 __all__ = [
     "CheckpointingConfig",
     "CheckpointingException",
@@ -52,6 +63,7 @@ __all__ = [
     "load_tensors_metadata",
     "mapping",
     "optimizer",
+    "register_with_megatron",
     "remove_sharded_tensors",
     "save",
     "serialization",

@@ -19,7 +19,13 @@ import torch
 
 from ..checkpointer import Checkpointer
 from ..dist import get_comm
-from .core import SHARDSAFE_BACKEND, CheckpointingConfig, CheckpointingException, config_from_document
+from .core import (
+    SHARDSAFE_BACKEND,
+    CheckpointingConfig,
+    CheckpointingException,
+    config_from_document,
+    maybe_load_config,
+)
 from .dict_utils import merge, nested_values
 from .mapping import CommonStateDict, ShardedStateDict, StateDict, apply_factory_merges
 from .state_dict_utils import load_preprocess, save_preprocess
@@ -35,9 +41,11 @@ from .strategies.base import (
 from .strategies.shardsafe import (
     ShardsafeLoadShardedStrategy,
     ShardsafeSaveShardedStrategy,
+    location,
     read_metadata,
     request_for,
 )
+from .strategies.torch_dist import TorchDistLoadShardedStrategy, is_torch_dist_checkpoint
 from .utils import extract_sharded_base
 from .validation import StrictHandling, parse_strict_flag
 
@@ -124,12 +132,16 @@ def load(
     keys and the stored ones does; the ``RETURN_*`` modes return ``(state_dict, missing_keys,
     unexpected_keys)``.
     """
-    strategy = _load_strategy(sharded_strategy, common_strategy)
     strict = parse_strict_flag(strict)
-    meta = read_metadata(checkpoint_dir, no_dist=False)
-    config = config_of(meta)
-    strategy.check_backend_compatibility(config.sharded_backend)
-    strategy.check_version_compatibility(config.sharded_backend_version)
+    strategy = _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), common_strategy)
+    meta: Any
+    if _reads_torch_dist(strategy):
+        meta = strategy.view(checkpoint_dir)  # type: ignore[attr-defined]
+    else:
+        meta = read_metadata(checkpoint_dir, no_dist=False)
+        config = config_of(meta)
+        strategy.check_backend_compatibility(config.sharded_backend)
+        strategy.check_version_compatibility(config.sharded_backend_version)
     parts: dict[str, Any] = {}
 
     def prepare() -> ShardedStateDict:
@@ -150,6 +162,26 @@ def load(
     return common
 
 
+def _is_torch_dist(checkpoint_dir: Any) -> bool:
+    """True for a checkpoint megatron-core's torch_dist backend wrote (DCP files and Megatron's config)."""
+    if not is_torch_dist_checkpoint(checkpoint_dir):
+        return False
+    config = maybe_load_config(location(checkpoint_dir))
+    return config is not None and config.sharded_backend == "torch_dist"
+
+
+def _reads_torch_dist(strategy: Any) -> bool:
+    """Whether ``strategy`` (or the strategy it wraps) reads megatron-core torch_dist checkpoints."""
+    return isinstance(strategy, TorchDistLoadShardedStrategy) or isinstance(getattr(strategy, "base_strategy", None), TorchDistLoadShardedStrategy)
+
+
+def _for_dir(checkpoint_dir: Any, sharded_strategy: Any) -> Any:
+    """``sharded_strategy``, or for None the strategy that reads the checkpoint at ``checkpoint_dir``."""
+    if sharded_strategy is None and _is_torch_dist(checkpoint_dir):
+        return TorchDistLoadShardedStrategy()
+    return sharded_strategy
+
+
 def config_of(meta: Any) -> CheckpointingConfig:
     """The :class:`CheckpointingConfig` of a shardsafe checkpoint's metadata (see
     :func:`~shardsafe.megatron.core.config_from_document`)."""
@@ -159,13 +191,15 @@ def config_of(meta: Any) -> CheckpointingConfig:
 def load_common_state_dict(checkpoint_dir: str | Path) -> StateDict:
     """The checkpoint's common state (no process group needed). Values saved with pickle need
     ``ShardsafeLoadShardedStrategy(allow_pickle=True).load_common(checkpoint_dir)``."""
+    if _is_torch_dist(checkpoint_dir):
+        return TorchDistLoadShardedStrategy().load_common(checkpoint_dir)
     return ShardsafeLoadShardedStrategy().load_common(checkpoint_dir)
 
 
 def load_tensors_metadata(checkpoint_dir: str | Path, sharded_strategy: LoadShardedStrategy | None = None) -> ShardedStateDict:
     """Every stored tensor as a ShardedTensor without data or sharding (global shape and dtype),
     by key (no process group needed)."""
-    return _load_strategy(sharded_strategy, None).load_tensors_metadata(checkpoint_dir)
+    return _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), None).load_tensors_metadata(checkpoint_dir)
 
 
 def load_sharded_metadata(
@@ -174,12 +208,14 @@ def load_sharded_metadata(
     common_strategy: LoadCommonStrategy | None = None,
 ) -> ShardedStateDict:
     """:func:`load_tensors_metadata` plus every stored ShardedObject (by unique key), without data."""
-    return _load_strategy(sharded_strategy, common_strategy).load_sharded_metadata(checkpoint_dir)
+    return _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), common_strategy).load_sharded_metadata(checkpoint_dir)
 
 
 def load_plain_tensors(checkpoint_dir: str | Path) -> StateDict:
     """Every stored tensor, whole, by key (not the common state). Needs no process group; in
     a distributed job each rank that calls it reads every tensor."""
+    if _is_torch_dist(checkpoint_dir):
+        return TorchDistLoadShardedStrategy().load_plain(checkpoint_dir)
     meta = read_metadata(checkpoint_dir, no_dist=True)
     out = {key: torch.empty(t.shape, dtype=t.torch_dtype) for key, t in meta.tensors.items()}
     Checkpointer().load(str(checkpoint_dir), out, no_dist=True, metadata=meta)
@@ -230,8 +266,13 @@ def verify_checkpoint_and_load_strategy(
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """The strategies that load the checkpoint at ``checkpoint_dir`` (shardsafe's strategy loads
     both parts), after checking that it is a checkpoint they read."""
-    strategy = _load_strategy(sharded_strategy, common_strategy)
-    config = config_of(read_metadata(checkpoint_dir, no_dist=True))
+    strategy = _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), common_strategy)
+    if _reads_torch_dist(strategy):
+        config = maybe_load_config(location(checkpoint_dir))
+        if config is None or not _is_torch_dist(checkpoint_dir):
+            raise CheckpointingException(f"{checkpoint_dir} is not a megatron-core torch_dist checkpoint (no .metadata or no Megatron metadata.json)")
+    else:
+        config = config_of(read_metadata(checkpoint_dir, no_dist=True))
     strategy.check_backend_compatibility(config.sharded_backend)
     strategy.check_version_compatibility(config.sharded_backend_version)
     return strategy, strategy

@@ -5,7 +5,7 @@ default for ``"shardsafe"`` and, so that code asking Megatron's default ``"torch
 gets it, for ``"torch_dist"`` too.
 """
 
-from .async_utils import AsyncRequest
+from .async_utils import AsyncCallsQueue, AsyncRequest
 from .base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -18,11 +18,16 @@ from .base import (
     get_default_strategy,
     register_default_strategy,
 )
+from .fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
 from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
+from .torch_dist import TorchDistLoadShardedStrategy
 
 __all__ = [
+    "AsyncCallsQueue",
     "AsyncRequest",
     "AsyncSaveShardedStrategy",
+    "FullyParallelLoadStrategyWrapper",
+    "FullyParallelSaveStrategyWrapper",
     "LoadCommonStrategy",
     "LoadShardedStrategy",
     "LoadStrategyBase",
@@ -32,6 +37,7 @@ __all__ = [
     "ShardsafeLoadShardedStrategy",
     "ShardsafeSaveShardedStrategy",
     "StrategyAction",
+    "TorchDistLoadShardedStrategy",
     "get_default_strategy",
     "register_default_strategy",
 ]

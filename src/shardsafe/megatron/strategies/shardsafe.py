@@ -26,6 +26,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
+from os import PathLike, fspath
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,6 +40,7 @@ from ...engine.background import AsyncSave
 from ...errors import ForeignCheckpointError, IncompleteCheckpointError
 from ...format.metadata import METADATA_FILENAME, StorageMetadata
 from ...knobs import Knobs
+from ...storage import Storage
 from .._values import decode_value, encode_value
 from ..core import (
     CONFIG_KEY,
@@ -58,7 +60,7 @@ from ..validation import (
     check_global_sharding,
     describe_local,
 )
-from .async_utils import AsyncRequest
+from .async_utils import AsyncRequest, request_for
 from .base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -100,6 +102,10 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
     ``knobs`` tune the engine (default: ``shardsafe.knobs.KNOBS``).
     """
 
+    common_backend: tuple[str, int] = (SHARDSAFE_BACKEND, FORMAT_VERSION)
+    """Where the common state lives, as the stored config says: shardsafe's own saves keep it in
+    ``metadata.json``; a save driven by Megatron-Core's ``save`` has it in ``common.pt``."""
+
     def __init__(self, backend: str = SHARDSAFE_BACKEND, version: int = FORMAT_VERSION, *, allow_pickle: bool = False, knobs: Knobs | None = None) -> None:
         super().__init__(backend, version)
         self.allow_pickle = allow_pickle
@@ -140,7 +146,7 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
         group = tuple(comm.global_ranks)
         state: dict[str, Any] = {}
         mine: dict[str, Any] = {}
-        config = CheckpointingConfig(self.backend, self.version, SHARDSAFE_BACKEND, FORMAT_VERSION)
+        config = CheckpointingConfig(self.backend, self.version, *self.common_backend)
 
         def describe(full: bool) -> _Sent:
             if not mine:
@@ -255,7 +261,14 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         return self.common_of(read_metadata(checkpoint_dir, no_dist=True), checkpoint_dir)
 
     def common_of(self, meta: StorageMetadata, checkpoint_dir: str | Path) -> StateDict:
-        """The common state stored in ``meta`` (``{}`` for a checkpoint saved without one)."""
+        """The common state stored in ``meta`` (``{}`` for a checkpoint saved without one); for a
+        checkpoint that megatron-core's ``save`` wrote through shardsafe's strategy (its config says
+        ``common_backend="torch"``), Megatron's ``common.pt`` beside it, read safely."""
+        config = meta.objects.get(CONFIG_KEY)
+        if isinstance(config, dict) and config.get("common_backend") == "torch":
+            from .torch_dist import read_common_pt
+
+            return read_common_pt(checkpoint_dir, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
         if COMMON_KEY not in meta.objects:
             return {}
         common = decode_value(meta.objects[COMMON_KEY], where=f"{checkpoint_dir}: the common state", allow_pickle=self.allow_pickle)
@@ -365,7 +378,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
             log.warning("%s", _mismatch_text(missing, {comm.global_rank: sorted(unexpected)} if unexpected else {}, str(checkpoint_dir)))
         if strict == StrictHandling.IGNORE_ALL:
             missing, unexpected = set(), set()
-        Checkpointer(allow_pickle=False, knobs=self.knobs).load(str(checkpoint_dir), prepared["targets"], metadata=meta)
+        self.read_targets(checkpoint_dir, prepared["targets"], meta)
         objects = prepared["objects"]
 
         def result(v: Any) -> Any:
@@ -375,6 +388,11 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
 
         loaded = dict_list_map_inplace(result, prepared["sharded"])
         return loaded, set(missing), set(unexpected)  # type: ignore[return-value]
+
+    def read_targets(self, checkpoint_dir: str | Path | Storage, targets: dict[str, adapters.ShardedTensor], meta: StorageMetadata) -> None:
+        """Fill ``targets`` (the engine's pieces, sharing the requested tensors) from the checkpoint.
+        Every rank calls it together, each with its own targets."""
+        Checkpointer(allow_pickle=False, knobs=self.knobs).load(location(checkpoint_dir), targets, metadata=meta)
 
     def _targets(
         self, sharded_state_dict: ShardedStateDict, meta: StorageMetadata, checkpoint_dir: Any
@@ -408,15 +426,6 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 + (f" (it holds {cells[:5]} of key {v.key!r}: was it saved with another global shape?)" if cells else "")
             )
         return decode_value(meta.objects[key], where=f"{checkpoint_dir}: ShardedObject {key!r}", allow_pickle=self.allow_pickle)
-
-
-def request_for(pending: AsyncSave) -> AsyncRequest:
-    """The :class:`AsyncRequest` that completes ``pending``."""
-    return AsyncRequest(_wait_for, (pending,), [])
-
-
-def _wait_for(pending: AsyncSave) -> None:
-    pending.wait()
 
 
 def _put_object(state: dict[str, Any], v: ShardedObject, allow_pickle: bool) -> None:
@@ -463,18 +472,24 @@ def _piece(v: ShardedTensor, *, saving: bool, stored_shape: tuple[int, ...] | No
     )
 
 
+def location(checkpoint_dir: str | Path | Storage) -> str | Storage:
+    """Where the engine finds the checkpoint: a path or URL as a string, or an opened
+    :class:`~shardsafe.storage.Storage` as it is."""
+    return checkpoint_dir if not isinstance(checkpoint_dir, (str, PathLike)) else fspath(checkpoint_dir)
+
+
 def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool) -> StorageMetadata:
     """The checkpoint's metadata (read once and broadcast unless ``no_dist``), or
     ``CheckpointingException`` when the directory holds none or holds Megatron-Core's own format."""
     try:
-        return Checkpointer().get_metadata(str(checkpoint_dir), no_dist=no_dist)
+        return Checkpointer().get_metadata(location(checkpoint_dir), no_dist=no_dist)
     except ForeignCheckpointError as e:
         config = maybe_load_config(str(checkpoint_dir))
         backend = config.sharded_backend if config is not None else "unknown"
         raise CheckpointingException(
-            f"{checkpoint_dir} holds a checkpoint Megatron-Core wrote (sharded_backend {backend!r}); shardsafe.megatron "
-            "does not import Megatron's own formats yet: load it with megatron.core.dist_checkpointing and save it "
-            "again through shardsafe.megatron"
+            f"{checkpoint_dir} holds a checkpoint Megatron-Core wrote (sharded_backend {backend!r}), not a shardsafe one: "
+            "shardsafe.megatron.serialization.load and its metadata readers read 'torch_dist' checkpoints (with the "
+            "default sharded_strategy); other Megatron formats load with megatron.core.dist_checkpointing"
         ) from e
     except IncompleteCheckpointError as e:
         raise NotADistributedCheckpointError(f"{checkpoint_dir} is not a distributed checkpoint: {e}") from e

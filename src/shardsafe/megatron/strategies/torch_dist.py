@@ -1,0 +1,275 @@
+"""Reading checkpoints megatron-core's ``torch_dist`` backend wrote, without megatron-core.
+
+Such a directory holds DCP's ``.metadata`` and ``.distcp`` files (the sharded part), Megatron's
+``common.pt`` (``torch.save`` of the common state, rank 0) and Megatron's own ``metadata.json``.
+:class:`TorchDistLoadShardedStrategy` loads it into any layout through
+:func:`shardsafe.megatron.serialization.load`, built on shardsafe's DCP importer
+(:mod:`shardsafe.dcp.dcp_format`: ``.metadata`` through an allowlisted unpickler, each stored
+chunk through ``torch.load(weights_only=True)``). ``common.pt`` and the ShardedObjects are read by
+torch's safe loader with :data:`COMMON_ALLOWLIST` added; anything else in them needs
+``allow_pickle=True``.
+
+Megatron stores a ``flattened_range`` tensor (a distributed optimizer's state) "n-d
+reformulated": the DCP tensor has shape ``axis_fragmentations + (box elements,)``, one row per
+box of the regular grid, and ``.metadata`` keeps the original global shape
+(``mcore_data[key]["nd_reformulated_orig_global_shape"]``). Each stored chunk is then a flat range
+of one box, and loads into flattened ranges or plain boxes alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import pickle
+import types
+from math import prod
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from ... import adapters
+from ...dcp import dcp_format
+from ...dist import get_comm
+from ...storage import Storage, open_storage
+from ..core import CheckpointingException
+from ..mapping import ShardedObject, ShardedStateDict, StateDict
+from .shardsafe import ShardsafeLoadShardedStrategy, location, sharded_metadata, tensors_metadata
+
+__all__ = ["COMMON_ALLOWLIST", "TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint"]
+
+COMMON_FNAME = "common.pt"
+COMMON_ALLOWLIST: list[Any] = [argparse.Namespace, types.SimpleNamespace]
+"""Classes that torch's safe loader may build from ``common.pt`` and ShardedObjects, besides its own
+(tensors, dtypes, containers, numbers, strings): what Megatron stores there."""
+
+
+def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str) -> Any:
+    """What ``torch.save`` wrote in ``raw``, read by torch's safe loader with :data:`COMMON_ALLOWLIST`
+    added; a pickle it refuses raises ``CheckpointingException`` unless ``allow_pickle``."""
+    try:
+        with torch.serialization.safe_globals(COMMON_ALLOWLIST):
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not allow_pickle:
+            raise CheckpointingException(
+                f"{where} holds a pickle that torch's safe loader refuses, even with {[c.__qualname__ for c in COMMON_ALLOWLIST]} "
+                f"allowed ({str(e).splitlines()[0][:200]}); loading it can run arbitrary code. Pass "
+                f"sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
+            ) from None
+    except Exception as e:  # noqa: BLE001 - a damaged file
+        raise CheckpointingException(f"{where}: cannot read it: {type(e).__name__}: {str(e)[:300]}") from None
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+
+
+def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str) -> StateDict:
+    """Megatron's ``common.pt`` in ``checkpoint_dir`` (``{}`` if there is none)."""
+    storage = open_storage(location(checkpoint_dir))
+    try:
+        raw = storage.read(COMMON_FNAME)
+    except FileNotFoundError:
+        return {}
+    finally:
+        if storage is not checkpoint_dir:
+            storage.close()
+    where = f"{checkpoint_dir}/{COMMON_FNAME}"
+    common = safe_torch_load(bytes(raw), where, allow_pickle=allow_pickle, strategy=strategy)
+    if not isinstance(common, dict):
+        raise CheckpointingException(f"{where} holds a {type(common).__name__}, not a dict")
+    return common
+
+
+def is_torch_dist_checkpoint(checkpoint_dir: str | Path | Storage) -> bool:
+    """True if ``checkpoint_dir`` holds DCP's ``.metadata`` (a torch_dist checkpoint)."""
+    storage = open_storage(location(checkpoint_dir))
+    try:
+        return dcp_format.DCP_METADATA in storage.list()
+    finally:
+        if storage is not checkpoint_dir:
+            storage.close()
+
+
+class _Stored(NamedTuple):
+    shape: tuple[int, ...]  # the global shape Megatron's ShardedTensors have
+    torch_dtype: torch.dtype
+    grid: tuple[int, ...] | None  # n-d reformulated: the axis fragmentations (the box is shape // grid)
+
+
+class _View(NamedTuple):
+    """What the load flow needs of a checkpoint's metadata: stored tensors and objects by key."""
+
+    tensors: dict[str, _Stored]
+    objects: dict[str, dcp_format.DcpItem]
+    ckpt: dcp_format.DcpCheckpoint
+
+
+class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
+    """Loads a megatron-core ``torch_dist`` checkpoint (see the module's docstring). Each rank
+    reads only the stored chunks its pieces overlap, each once per load."""
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != "torch_dist":
+            raise CheckpointingException(f"the checkpoint's sharded backend is {loaded_backend!r}; this strategy reads 'torch_dist' checkpoints")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != 1:
+            raise CheckpointingException(f"the checkpoint's torch_dist version is {loaded_version}; this strategy reads version 1")
+
+    def view(self, checkpoint_dir: str | Path | Storage) -> _View:
+        """The checkpoint's stored tensors and objects (reads ``.metadata``)."""
+        storage = open_storage(location(checkpoint_dir))
+        try:
+            ckpt = dcp_format.read_dcp_checkpoint(storage)
+        finally:
+            if storage is not checkpoint_dir:
+                storage.close()
+        mcore = getattr(ckpt.metadata, "mcore_data", None) or {}
+        tensors = {}
+        for key, (dtype, shape, _) in ckpt.tensors.items():
+            orig = (mcore.get(key) or {}).get("nd_reformulated_orig_global_shape")
+            if orig is None:
+                tensors[key] = _Stored(tuple(shape), dtype, None)
+                continue
+            orig = tuple(int(x) for x in orig)
+            grid = tuple(shape[:-1])
+            if len(grid) != len(orig) or any(g == 0 or o % g for o, g in zip(orig, grid)) or shape[-1] != prod(o // g for o, g in zip(orig, grid)):
+                raise CheckpointingException(
+                    f"{ckpt.where}: tensor {key!r} is stored with shape {list(shape)}, which is not an n-d reformulation of its "
+                    f"global shape {list(orig)}"
+                )
+            tensors[key] = _Stored(orig, dtype, grid)
+        return _View(tensors, dict(ckpt.values), ckpt)
+
+    def load_tensors_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
+        """Every stored tensor as an unsharded ShardedTensor without data, by key."""
+        return tensors_metadata(self.view(checkpoint_dir))  # type: ignore[arg-type]
+
+    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
+        """Every stored tensor (by key) and ShardedObject (by unique key), without data."""
+        return sharded_metadata(self.view(checkpoint_dir))  # type: ignore[arg-type]
+
+    def load_plain(self, checkpoint_dir: str | Path) -> StateDict:
+        """Every stored tensor, whole, by key (no process group: this process reads them all)."""
+        meta = self.view(checkpoint_dir)
+        out = {key: torch.empty(t.shape, dtype=t.torch_dtype) for key, t in meta.tensors.items()}
+        storage = open_storage(location(checkpoint_dir))
+        try:
+            chunks: dict[dcp_format.DcpItem, torch.Tensor] = {}
+            for key, data in out.items():
+                shape = tuple(data.shape)
+                _fill(adapters.ShardedTensor(key, data, shape, (0,) * len(shape), shape), meta, storage, chunks)
+                chunks.clear()
+        finally:
+            if storage is not checkpoint_dir:
+                storage.close()
+        return out
+
+    def common_of(self, meta: Any, checkpoint_dir: str | Path | Storage) -> StateDict:
+        """Megatron's ``common.pt`` (``{}`` if there is none)."""
+        return read_common_pt(checkpoint_dir, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
+
+    def load_common(self, checkpoint_dir: str | Path) -> StateDict:
+        return self.common_of(None, checkpoint_dir)
+
+    def _object(self, v: Any, meta: Any, checkpoint_dir: Any) -> Any:
+        if not isinstance(v, ShardedObject):
+            return v
+        item = meta.objects.get(v.unique_key)
+        if item is None:
+            raise CheckpointingException(f"{checkpoint_dir}: ShardedObject {v.unique_key!r} is not in the checkpoint")
+        storage = open_storage(location(checkpoint_dir))
+        try:
+            raw = dcp_format.read_item(storage, item)
+        finally:
+            if storage is not checkpoint_dir:
+                storage.close()
+        where = f"{checkpoint_dir}: ShardedObject {v.unique_key!r}"
+        stored = self._unpickle(bytes(raw), where)
+        if not isinstance(stored, list) or not stored:  # Megatron saves [value] (the values of the cell's holders on one rank)
+            raise CheckpointingException(f"{where}: holds a {type(stored).__name__}, not the one-item list megatron-core stores")
+        return stored[0]
+
+    def _unpickle(self, raw: bytes, where: str) -> Any:
+        return safe_torch_load(raw, where, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
+
+    def read_targets(self, checkpoint_dir: str | Path | Storage, targets: dict[str, adapters.ShardedTensor], meta: Any) -> None:
+        storage = open_storage(location(checkpoint_dir))
+        chunks: dict[dcp_format.DcpItem, torch.Tensor] = {}  # read once per load
+
+        def fill_all() -> None:
+            for t in targets.values():
+                _fill(t, meta, storage, chunks)
+
+        try:
+            get_comm(call=None).check(fill_all)  # an error on one rank raises on every rank
+        finally:
+            if storage is not checkpoint_dir:
+                storage.close()
+
+
+def _fill(t: adapters.ShardedTensor, meta: _View, storage: Storage, chunks: dict) -> None:
+    stored = meta.tensors.get(t.key)
+    if stored is None:
+        raise CheckpointingException(f"{meta.ckpt.where}: key {t.key!r} is not in the checkpoint")
+    if tuple(t.global_shape) != stored.shape:
+        raise CheckpointingException(
+            f"{meta.ckpt.where}: key {t.key!r} is stored with global shape {list(stored.shape)}, requested with {list(t.global_shape)}"
+        )
+    off, lens = tuple(t.global_offset), tuple(t.local_shape)
+    if t.flattened_range is not None:
+        box = torch.empty(lens, dtype=t.data.dtype)
+    else:
+        box = t.data if tuple(t.data.shape) == lens else t.data.view(lens)
+    covered = 0
+    for b_off, b_lens, flat, item in _stored_pieces(t.key, stored, meta.ckpt):
+        inter = [(max(o, bo), min(o + n, bo + bn)) for o, n, bo, bn in zip(off, lens, b_off, b_lens)]
+        if any(lo >= hi for lo, hi in inter):
+            continue
+        if item not in chunks:
+            dtype, _, entries = meta.ckpt.tensors[t.key]
+            sizes = next(le for _, le, it in entries if it == item)
+            chunks[item] = dcp_format.load_tensor(dcp_format.read_item(storage, item), item, dtype, sizes, meta.ckpt.where)
+        data = chunks[item]
+        if flat is None:
+            src = data.view(b_lens)
+        else:  # a flat range of its box: the box's other elements are other chunks
+            src = torch.empty(b_lens, dtype=data.dtype)
+            mask = torch.zeros(b_lens, dtype=torch.bool)
+            src.view(-1)[flat[0] : flat[1]] = data.view(-1)
+            mask.view(-1)[flat[0] : flat[1]] = True
+            s_sl = tuple(slice(lo - bo, hi - bo) for (lo, hi), bo in zip(inter, b_off))
+            d_sl = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, off))
+            m = mask[s_sl]
+            box[d_sl][m] = src[s_sl][m].to(box.dtype)
+            covered += int(m.sum())
+            continue
+        s_sl = tuple(slice(lo - bo, hi - bo) for (lo, hi), bo in zip(inter, b_off))
+        d_sl = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, off))
+        box[d_sl] = src[s_sl].to(box.dtype)
+        covered += prod(hi - lo for lo, hi in inter)
+    if covered != prod(lens):
+        raise CheckpointingException(
+            f"{meta.ckpt.where}: key {t.key!r}: the stored chunks cover {covered} of the {prod(lens)} elements of the piece at "
+            f"{list(off)} shape {list(lens)}"
+        )
+    if t.flattened_range is not None:
+        t.data.copy_(box.view(-1)[t.flattened_range])
+
+
+def _stored_pieces(key: str, stored: _Stored, ckpt: dcp_format.DcpCheckpoint) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]:
+    """Each stored chunk of ``key`` as (box offset, box shape, flat range of the box or None, item)."""
+    _, _, entries = ckpt.tensors[key]
+    if stored.grid is None:
+        return [(tuple(o), tuple(le), None, item) for o, le, item in entries if prod(le)]
+    box = tuple(s // g for s, g in zip(stored.shape, stored.grid))
+    out = []
+    for o, le, item in entries:
+        if not prod(le):
+            continue
+        if any(n != 1 for n in le[:-1]):
+            raise CheckpointingException(f"{ckpt.where}: key {key!r}: a stored chunk of shape {list(le)} spans several boxes")
+        b_off = tuple(i * n for i, n in zip(o[:-1], box))
+        out.append((b_off, box, (o[-1], o[-1] + le[-1]), item))
+    return out
+
+
