@@ -60,13 +60,19 @@ INLINE_BYTES = 1 << 20
 _SIMPLE = (type(None), bool, int, str)
 
 
-def encode_value(value: Any, *, where: str, allow_pickle: bool) -> Any:
+_MEGATRON_OPT_IN = (
+    "wrap it in a LocalNonpersistentObject if it need not be saved, or opt in to pickle with "
+    "sharded_strategy=shardsafe.megatron.strategies.ShardsafeSaveShardedStrategy(allow_pickle=True)"
+)
+
+
+def encode_value(value: Any, *, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_OPT_IN) -> Any:
     """``value`` as a JSON value (see the module docstring); ``where`` names it in errors.
 
     Raises ``PickleNotAllowedError`` naming the key path of a part that has no JSON form,
-    unless ``allow_pickle``.
+    unless ``allow_pickle``; ``opt_in`` ends its message (how the caller opts in to pickle).
     """
-    out = _Encoder(where, allow_pickle).encode(value, ())
+    out = _Encoder(where, allow_pickle, opt_in).encode(value, ())
     if nesting_exceeds(out, MAX_DEPTH):
         raise CheckpointingException(
             f"{where}: nests lists, dicts and tuples too deep to store (at most {MAX_DEPTH} levels once encoded)"
@@ -84,9 +90,10 @@ def _path(path: tuple) -> str:
 
 
 class _Encoder:
-    def __init__(self, where: str, allow_pickle: bool) -> None:
+    def __init__(self, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_OPT_IN) -> None:
         self.where = where
         self.allow_pickle = allow_pickle
+        self.opt_in = opt_in
         self.active: set[int] = set()  # containers on the path being encoded: a cycle is an error
 
     def encode(self, v: Any, path: tuple) -> Any:
@@ -173,9 +180,7 @@ class _Encoder:
         raise PickleNotAllowedError(
             f"{self.where}: the value at key path {_path(path)} is a {t.__module__}.{t.__qualname__}, which shardsafe "
             "does not store without pickle (it stores None, bool, int, float, str, list, dict, tuple, set, bytes, "
-            "argparse.Namespace, enums, torch dtypes, devices and tensors, numpy scalars and arrays). Convert it, "
-            "wrap it in a LocalNonpersistentObject if it need not be saved, or opt in to pickle with "
-            "sharded_strategy=shardsafe.megatron.strategies.ShardsafeSaveShardedStrategy(allow_pickle=True)"
+            f"argparse.Namespace, enums, torch dtypes, devices and tensors, numpy scalars and arrays). Convert it, {self.opt_in}"
         )
 
 
