@@ -79,9 +79,13 @@ def _fit(rank, ws, kind, ckpt_dir, max_steps, ckpt_path, truth_path=None):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(ws))
     if kind == "fsdp":
         strategy = shardsafe.lightning.ModelParallelStrategy(data_parallel_size=ws, tensor_parallel_size=1)
+    elif kind == "lightning-fsdp":  # Lightning's own: DCP files and meta.pt
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=ws, tensor_parallel_size=1)
     else:
         strategy = shardsafe.lightning.DDPStrategy()
-    model = _net()(fsdp=kind == "fsdp")
+    model = _net()(fsdp=kind != "ddp")
     trainer = L.Trainer(
         accelerator="cpu", devices=ws, strategy=strategy, max_steps=max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
@@ -122,6 +126,17 @@ def test_trainer_resumes_at_another_world_size_with_the_same_losses(tmp_path, ki
     assert (step, epoch, len(losses)) == (6, 3, 2)
     want = [(a + b) / 2 for a, b in zip(full[0][0][4:], full[1][0][4:])]
     assert losses == pytest.approx(want, rel=1e-5)
+
+
+def test_a_folder_lightnings_own_strategy_wrote_resumes_through_shardsafe(tmp_path):
+    ckpts = str(tmp_path / "ckpts")
+    full = run_ranks(2, _fit, "lightning-fsdp", ckpts, 6, None)
+    step4 = os.path.join(ckpts, "step=4.ckpt")
+    assert {".metadata", "meta.pt"} <= set(os.listdir(step4))
+    again = run_ranks(2, _fit, "fsdp", str(tmp_path / "again"), 6, step4)
+    for rank in range(2):
+        assert again[rank][0] == full[rank][0][4:], rank
+        assert again[rank][1:] == full[rank][1:] == (6, 3)
 
 
 def test_consolidate_writes_lightnings_single_file_layout(tmp_path):
