@@ -164,3 +164,81 @@ def test_consolidate_writes_lightnings_single_file_layout(tmp_path):
     for name, st in truth["optim"]["state"].items():
         for k, t in st.items():
             assert_bits(optim["state"][name][k], t, f"{name}.{k}")
+
+
+def _parallelize(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    dp = mesh["data_parallel"]
+    fully_shard(model[0], mesh=dp)
+    fully_shard(model[2], mesh=dp)
+    return fully_shard(model, mesh=dp)
+
+
+def _fabric(rank, ws, path, truth_path, load):
+    """Fabric + FSDP2: train 2 steps and ``fabric.save`` on 2 ranks, or ``fabric.load`` elsewhere."""
+    import lightning as L
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(ws))
+    strategy = shardsafe.lightning.FabricModelParallelStrategy(_parallelize, data_parallel_size=ws, tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=ws, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    optim = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95)))
+    state = {"model": model, "optimizer": optim, "step": 0, "history": ()}
+    if load:
+        fabric.load(path, state)
+    else:
+        for s in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + s))
+            fabric.backward(model(x).square().mean())
+            optim.step()
+            optim.zero_grad()
+        state.update(step=2, history=(1.5, float("inf")))
+        fabric.save(path, state)
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({"model": msd, "optim": osd}, truth_path)
+    return state["step"], state["history"], [g["betas"] for g in optim.param_groups]
+
+
+def test_fabric_save_and_load_on_another_world_size(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _fabric, path, str(tmp_path / "saved.pt"), False)
+    assert not shardsafe.verify(path).errors
+    (got,) = run_ranks(1, _fabric, path, str(tmp_path / "loaded.pt"), True)
+    assert got == (2, (1.5, float("inf")), [(0.8, 0.95)])
+    want, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
+    for name, t in want["model"].items():
+        assert_bits(loaded["model"][name], t, name)
+    for name, st in want["optim"]["state"].items():
+        for k, t in st.items():
+            assert_bits(loaded["optim"]["state"][name][k], t, f"{name}.{k}")
+
+
+def test_loop_state_without_a_json_form_needs_allow_pickle(tmp_path):
+    import io
+
+    from torch import nn
+
+    from shardsafe import CheckpointError, PickleNotAllowedError
+
+    model = nn.Linear(2, 2)
+    path = str(tmp_path / "ckpt")
+    meta = {"global_step": 5, "callbacks": {"cb": {"buf": io.StringIO("x"), "best": torch.tensor(0.25)}}}
+    with pytest.raises(PickleNotAllowedError, match=r"(?s)lightning\.meta.*\['callbacks'\]\['cb'\]\['buf'\].*StringIO.*allow_pickle=True to the shardsafe\.lightning strategy"):
+        shardsafe.lightning.save_checkpoint(path, model, [], meta)
+    assert not os.path.exists(os.path.join(path, "metadata.json"))
+    shardsafe.lightning.save_checkpoint(path, model, [], meta, allow_pickle=True)
+    with pytest.raises(PickleNotAllowedError, match=r"\['callbacks'\]\['cb'\]\['buf'\].*pickle"):
+        shardsafe.lightning.read_meta(path)
+    got = shardsafe.lightning.read_meta(path, allow_pickle=True)
+    assert got["global_step"] == 5 and got["callbacks"]["cb"]["buf"].getvalue() == "x"
+    assert_bits(got["callbacks"]["cb"]["best"], torch.tensor(0.25), "best")
+
+    two = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)]
+    with pytest.raises(CheckpointError, match="one optimizer per checkpoint, the module has 2"):
+        shardsafe.lightning.save_checkpoint(str(tmp_path / "two"), model, two, {})

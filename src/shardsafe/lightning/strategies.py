@@ -113,7 +113,9 @@ class FabricModelParallelStrategy(_FabricModelParallel):
         for key, obj in rest.items():
             if key not in meta:
                 if strict:
-                    raise KeyError(f"{path}: the checkpoint holds no {key!r}; pass strict=False to leave it as it is")
+                    from ..errors import MissingKeyError
+
+                    raise MissingKeyError(f"{path}: the checkpoint holds no {key!r} (it holds {sorted(meta)}); pass strict=False to leave it as it is")
                 continue
             if _stateful(obj):
                 obj.load_state_dict(meta.pop(key))
