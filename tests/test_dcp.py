@@ -137,6 +137,15 @@ def test_dcp_get_state_dict_save_loads_with_load_model_and_optim_state(tmp_path,
     assert got[0] == ([(0.8, 0.95)], [1e-2])
     assert type(got[0][0][0]) is tuple
 
+    # and unsharded (what shardsafe.lightning.consolidate writes)
+    want = torch.load(truth)
+    full_optim = shardsafe.unshard_optim_state(path, no_dist=True)
+    (group,) = full_optim["param_groups"]
+    assert group["betas"] == (0.8, 0.95) and group["lr"] == 1e-2 and group["params"] == want["optim"]["param_groups"][0]["params"]
+    for fqn, st in want["optim"]["state"].items():
+        for name, t in st.items():
+            assert_bits(full_optim["state"][fqn][name], t, f"{fqn}.{name}")
+
 
 def _checkpointer_load_cols(rank, ws, path, keys_shapes, out_path):
     from torch.distributed.device_mesh import init_device_mesh

@@ -29,7 +29,7 @@ from .modules import ParamInfo
 
 __all__ = [
     "CLASS_KEY", "GROUPS_KEY", "STATE_PREFIX", "check_param_groups", "optim_state", "optim_targets", "split_state_key",
-    "stored_param_groups",
+    "dotted_param_groups", "stored_param_groups",
 ]
 
 STATE_PREFIX = "optim.state."
@@ -184,26 +184,31 @@ def stored_param_groups(meta: StorageMetadata, where: str) -> list[Any] | None:
     if GROUPS_KEY in meta.objects:
         return decode_objects(meta.objects, {}, [GROUPS_KEY], allow_pickle=False, where=where)[GROUPS_KEY]
     prefix = GROUPS_KEY + "."
-    found: dict[int, dict[str, str]] = {}  # group index -> field -> stored key
-    for key in [*meta.objects, *meta.pickled_objects, *meta.tensors]:
-        if not key.startswith(prefix):
-            continue
-        index, _, field = key[len(prefix) :].partition(".")
-        if not index.isdigit() or not field:
-            raise CorruptCheckpointError(f"{where}: key {key!r} is not {prefix}<group index>.<field>")
+    keys = [k for k in [*meta.objects, *meta.pickled_objects, *meta.tensors] if k.startswith(prefix)]
+    for key in keys:
         if key not in meta.objects:
             kind = "with pickle" if key in meta.pickled_objects else "as a tensor"
             raise CheckpointError(
                 f"{where}: optimizer hyper-parameter {key!r} is stored {kind}; load_model_and_optim_state restores "
                 "JSON values only. Load it with Checkpointer (allow_pickle=True for a pickled value) and set it yourself"
             )
-        found.setdefault(int(index), {})[field] = key
+    return dotted_param_groups(decode_objects(meta.objects, {}, keys, allow_pickle=False, where=where), prefix, where)
+
+
+def dotted_param_groups(values: dict[str, Any], prefix: str, where: str) -> list[dict[str, Any]] | None:
+    """Param groups from values keyed ``<prefix><group index>.<field>`` (as DCP flattens them);
+    None when there are none."""
+    found: dict[int, dict[str, Any]] = {}
+    for key, value in values.items():
+        index, _, field = key[len(prefix) :].partition(".")
+        if not key.startswith(prefix) or not index.isdigit() or not field:
+            raise CorruptCheckpointError(f"{where}: key {key!r} is not {prefix}<group index>.<field>")
+        found.setdefault(int(index), {})[field] = value
     if not found:
         return None
     if sorted(found) != list(range(len(found))):
         raise CorruptCheckpointError(f"{where}: optimizer param groups {sorted(found)} are stored; expected 0..{len(found) - 1}")
-    values = decode_objects(meta.objects, {}, [k for g in found.values() for k in g.values()], allow_pickle=False, where=where)
-    return [{field: values[key] for field, key in found[i].items()} for i in range(len(found))]
+    return [found[i] for i in range(len(found))]
 
 
 def _target(current: Any, shape: tuple[int, ...], dtype: torch.dtype, info: ParamInfo, p: torch.Tensor, key: str, where: str) -> torch.Tensor:
