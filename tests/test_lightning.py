@@ -242,3 +242,27 @@ def test_loop_state_without_a_json_form_needs_allow_pickle(tmp_path):
     two = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)]
     with pytest.raises(CheckpointError, match="one optimizer per checkpoint, the module has 2"):
         shardsafe.lightning.save_checkpoint(str(tmp_path / "two"), model, two, {})
+
+
+def test_fabric_wrapper_names_are_not_stored(tmp_path):
+    import lightning as L
+    from torch import nn
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    wrapped, optim = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    wrapped(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    path = str(tmp_path / "ckpt")
+    shardsafe.save_model_and_optim_state(path, wrapped, optim.optimizer)
+    meta = shardsafe.Checkpointer().get_metadata(path, no_dist=True)
+    assert sorted(k for k in meta.tensors if k.startswith("model.")) == [
+        "model.0.bias", "model.0.weight", "model.1.bias", "model.1.num_batches_tracked", "model.1.running_mean",
+        "model.1.running_var", "model.1.weight",
+    ]
+    assert meta.objects["optim.param_groups"][0]["params"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    plain = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    shardsafe.load_model_and_optim_state(path, plain)
+    for (name, a), b in zip(plain.state_dict().items(), model.state_dict().values()):
+        assert_bits(a, b, name)
