@@ -89,7 +89,7 @@ def _fit(rank, ws, kind, ckpt_dir, max_steps, ckpt_path, truth_path=None):
     trainer = L.Trainer(
         accelerator="cpu", devices=ws, strategy=strategy, max_steps=max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1)],
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1, save_last=True)],
     )
     trainer.fit(model, ckpt_path=ckpt_path)
     if truth_path is not None:
@@ -107,7 +107,8 @@ def test_trainer_resumes_at_another_world_size_with_the_same_losses(tmp_path, ki
     ckpts = str(tmp_path / "ckpts")
     full = run_ranks(2, _fit, kind, ckpts, 6, None)  # uninterrupted: 6 steps on 2 ranks, saved every 2 steps
     step4 = os.path.join(ckpts, "step=4.ckpt")
-    assert sorted(os.listdir(ckpts)) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    assert sorted(os.listdir(ckpts)) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    assert shardsafe.lightning.read_meta(os.path.join(ckpts, "last.ckpt"))["global_step"] == 6  # replaced at each save
     assert "metadata.json" in os.listdir(step4) and "meta.pt" not in os.listdir(step4)
     assert not shardsafe.verify(step4).errors
     meta = shardsafe.lightning.read_meta(step4)
