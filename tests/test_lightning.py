@@ -9,6 +9,7 @@ Lightning's own checkpoint dicts.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +139,23 @@ def test_a_folder_lightnings_own_strategy_wrote_resumes_through_shardsafe(tmp_pa
     for rank in range(2):
         assert again[rank][0] == full[rank][0][4:], rank
         assert again[rank][1:] == full[rank][1:] == (6, 3)
+
+    # consolidated (.metadata through the allowlist, meta.pt with weights_only) as Lightning's own tool does
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+
+    ours = shardsafe.lightning.consolidate(step4)
+    theirs = _load_distributed_checkpoint(Path(step4))
+    theirs.setdefault("model", theirs.pop("state_dict"))  # (their tool expects FSDPStrategy's name)
+    theirs = _format_checkpoint(theirs)
+    assert sorted(ours) == sorted(theirs) and ours["global_step"] == 4 and ours["loops"] == theirs["loops"]
+    for name, t in theirs["state_dict"].items():
+        assert_bits(ours["state_dict"][name], t, name)
+    (mine,), (want,) = ours["optimizer_states"], theirs["optimizer_states"]
+    assert mine["param_groups"] == want["param_groups"]
+    for name, st in want["state"].items():
+        for k, t in st.items():
+            assert_bits(mine["state"][name][k], t, f"{name}.{k}")
 
 
 def test_consolidate_writes_lightnings_single_file_layout(tmp_path):

@@ -147,16 +147,54 @@ def consolidate(dir: Location, out: str | os.PathLike | None = None, *, allow_pi
     ``{"state_dict": {name: tensor}, "optimizer_states": [{"state": {name: {...}}, "param_groups":
     [...]}], **the rest of the checkpoint dict}``, what ``python -m
     lightning.pytorch.utilities.consolidate_checkpoint`` writes. Written to ``out`` with
-    ``torch.save`` when given; returned either way. Needs no process group and no Lightning."""
+    ``torch.save`` when given; returned either way. Needs no process group and no Lightning.
+
+    A folder Lightning's own sharded save wrote (DCP files and ``meta.pt``) consolidates too: its
+    ``.metadata`` is read through :mod:`shardsafe.dcp`'s allowlist and ``meta.pt`` with
+    ``torch.load(weights_only=True)`` (Lightning's own tool unpickles both)."""
     from ..adapters.optim import stored_param_groups
     from ..api import unshard_model_state, unshard_optim_state
 
-    storage = open_storage(dir)
-    meta = Checkpointer().get_metadata(storage, no_dist=True)
-    result: dict[str, Any] = _decode_meta(meta, storage.url, allow_pickle) if META_KEY in meta.objects else {}
-    result["state_dict"] = unshard_model_state(storage, device="cpu", no_dist=True)
-    if stored_param_groups(meta, storage.url) is not None:
-        result["optimizer_states"] = [unshard_optim_state(storage, device="cpu", no_dist=True)]
+    if is_lightning_dcp_folder(dir):
+        result = _consolidate_lightning_dcp_folder(str(dir), allow_pickle)
+    else:
+        storage = open_storage(dir)
+        meta = Checkpointer().get_metadata(storage, no_dist=True)
+        result = _decode_meta(meta, storage.url, allow_pickle) if META_KEY in meta.objects else {}
+        result["state_dict"] = unshard_model_state(storage, device="cpu", no_dist=True)
+        if stored_param_groups(meta, storage.url) is not None:
+            result["optimizer_states"] = [unshard_optim_state(storage, device="cpu", no_dist=True)]
     if out is not None:
         torch.save(result, out)
     return result
+
+
+def _consolidate_lightning_dcp_folder(path: str, allow_pickle: bool) -> dict[str, Any]:
+    import re
+
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from ..dcp import StorageReader
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=StorageReader(path, allow_pickle=allow_pickle), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    meta_file = os.path.join(path, LIGHTNING_META_FILE)
+    if os.path.isfile(meta_file):
+        try:
+            state.update(torch.load(meta_file, map_location="cpu", weights_only=not allow_pickle))
+        except Exception as e:  # noqa: BLE001 - torch's safe unpickler raises UnpicklingError, or others for a damaged file
+            from ..errors import PickleNotAllowedError
+
+            if allow_pickle or "weights_only" not in str(e):
+                raise CorruptCheckpointError(f"{meta_file}: cannot be read: {type(e).__name__}: {str(e)[:300]}") from None
+            raise PickleNotAllowedError(
+                f"{meta_file}: holds objects torch's safe loader refuses ({str(e).splitlines()[0][:200]}); pass "
+                "allow_pickle=True to shardsafe.lightning.consolidate only if you trust this checkpoint"
+            ) from None
+    if "state_dict" not in state and "model" in state:  # FSDPStrategy's and Fabric's name for the model
+        state["state_dict"] = state.pop("model")
+    optims = sorted((k for k in state if re.fullmatch(r"optimizer_[0-9]+", k)), key=lambda k: int(k.split("_")[1]))
+    if optims:
+        state["optimizer_states"] = [state.pop(k) for k in optims]
+    return state
