@@ -104,9 +104,11 @@ def has_tag(v: Any) -> bool:
 
 
 def decode_objects(
-    as_json: dict[str, Any], pickled: dict[str, str], keys: list[str] | None, *, allow_pickle: bool, where: str
+    as_json: dict[str, Any], pickled: dict[str, str], keys: list[str] | None, *, allow_pickle: bool, where: str,
+    opt_in: str = "pass allow_pickle=True",
 ) -> dict[str, Any]:
-    """The stored values for ``keys`` (all when None). Unpickles only with ``allow_pickle``."""
+    """The stored values for ``keys`` (all when None), tagged values decoded. Unpickles only with
+    ``allow_pickle``; ``opt_in`` says how the caller opts in."""
     wanted = list(as_json) + list(pickled) if keys is None else keys
     needs_pickle = [k for k in wanted if k in pickled]
     if needs_pickle and not allow_pickle:
@@ -121,7 +123,7 @@ def decode_objects(
             if has_tag(v):
                 from ..megatron._values import decode_value
 
-                v = decode_value(v, where=f"{where}: key {k!r}", allow_pickle=allow_pickle)
+                v = decode_value(v, where=f"{where}: key {k!r}", allow_pickle=allow_pickle, opt_in=opt_in)
             out[k] = v
         elif k in pickled:
             out[k] = pickle.loads(base64.b64decode(pickled[k]))

@@ -135,7 +135,8 @@ def read_meta(path: Location, *, allow_pickle: bool = False) -> dict[str, Any]:
 def _decode_meta(meta: StorageMetadata, where: str, allow_pickle: bool) -> dict[str, Any]:
     if META_KEY not in meta.objects:
         raise MissingKeyError(f"{where}: no {META_KEY!r} in the checkpoint; was it saved by shardsafe.lightning?")
-    value = decode_objects(meta.objects, {}, [META_KEY], allow_pickle=allow_pickle, where=where)[META_KEY]
+    opt_in = "pass allow_pickle=True to the shardsafe.lightning strategy (or to read_meta, consolidate)"
+    value = decode_objects(meta.objects, {}, [META_KEY], allow_pickle=allow_pickle, where=where, opt_in=opt_in)[META_KEY]
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{where}: {META_KEY!r} must be a dict (the checkpoint dict), found a {type(value).__name__}")
     return value

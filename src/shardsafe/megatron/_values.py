@@ -80,9 +80,13 @@ def encode_value(value: Any, *, where: str, allow_pickle: bool, opt_in: str = _M
     return out
 
 
-def decode_value(value: Any, *, where: str, allow_pickle: bool) -> Any:
-    """The Python value :func:`encode_value` encoded; ``where`` names it in errors."""
-    return _Decoder(where, allow_pickle).decode(value, ())
+_MEGATRON_LOAD_OPT_IN = "sharded_strategy=shardsafe.megatron.strategies.ShardsafeLoadShardedStrategy(allow_pickle=True)"
+
+
+def decode_value(value: Any, *, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_LOAD_OPT_IN) -> Any:
+    """The Python value :func:`encode_value` encoded; ``where`` names it in errors, ``opt_in`` says
+    how the caller opts in to unpickling a ``pickle`` tag."""
+    return _Decoder(where, allow_pickle, opt_in).decode(value, ())
 
 
 def _path(path: tuple) -> str:
@@ -189,9 +193,10 @@ def _b64(raw: bytes) -> str:
 
 
 class _Decoder:
-    def __init__(self, where: str, allow_pickle: bool) -> None:
+    def __init__(self, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_LOAD_OPT_IN) -> None:
         self.where = where
         self.allow_pickle = allow_pickle
+        self.opt_in = opt_in
 
     def bad(self, path: tuple, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.where}: the stored value at key path {_path(path)} is invalid: {what}")
@@ -324,8 +329,7 @@ class _Decoder:
         if not self.allow_pickle:
             raise PickleNotAllowedError(
                 f"{self.where}: the value at key path {_path(path)} was stored with pickle; loading it can run arbitrary "
-                "code. Opt in only if you trust this checkpoint: "
-                "sharded_strategy=shardsafe.megatron.strategies.ShardsafeLoadShardedStrategy(allow_pickle=True)"
+                f"code. Opt in only if you trust this checkpoint: {self.opt_in}"
             )
         return pickle.loads(self._tag_bytes(v, path))
 
