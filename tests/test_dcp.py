@@ -82,7 +82,7 @@ def _save_truth(rank, model, optim, truth_path) -> None:
         torch.save({"model": msd, "optim": osd}, truth_path)
 
 
-def _dcp_save_fsdp(rank, ws, path, truth_path, asynchronous):
+def _dcp_save_fsdp(rank, ws, path, truth_path, asynchronous, allow_pickle=True):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -91,7 +91,7 @@ def _dcp_save_fsdp(rank, ws, path, truth_path, asynchronous):
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd, "counter": Counter(3)}
     _save_truth(rank, model, optim, truth_path)
-    writer = shardsafe.dcp.StorageWriter(path, allow_pickle=True)  # AdamW's betas is a tuple: JSON cannot hold it
+    writer = shardsafe.dcp.StorageWriter(path, allow_pickle=allow_pickle)
     if asynchronous:
         pending = dcp.async_save(state, storage_writer=writer)
         with torch.no_grad():
@@ -114,6 +114,37 @@ def _dcp_load_fsdp(rank, ws, path, out_path, allow_pickle):
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     _save_truth(rank, model, optim, out_path)
     return counter.state_dict(), [g["betas"] for g in optim.param_groups], [g["lr"] for g in optim.param_groups]
+
+
+def _api_load_fsdp(rank, ws, path, out_path):
+    model, optim = _fsdp_model(ws)
+    shardsafe.load_model_and_optim_state(path, model, optim)
+    _save_truth(rank, model, optim, out_path)
+    return [g["betas"] for g in optim.param_groups], [g["lr"] for g in optim.param_groups]
+
+
+@pytest.mark.parametrize("ws", [1, 4])
+def test_dcp_get_state_dict_save_loads_with_load_model_and_optim_state(tmp_path, ws):
+    """``dcp.save`` of ``get_state_dict``'s FSDP2 model + AdamW state (param groups flattened by
+    DCP to ``optim.param_groups.0.*``, betas a tuple) with no pickle, loaded by our API."""
+    path, truth = str(tmp_path / "ckpt"), str(tmp_path / "truth.pt")
+    run_ranks(2, _dcp_save_fsdp, path, truth, False, False)
+    meta = Checkpointer().get_metadata(path, no_dist=True)
+    assert meta.pickled_objects == {} and "optim.param_groups" not in meta.objects
+    out = str(tmp_path / "loaded.pt")
+    got = run_ranks(ws, _api_load_fsdp, path, out)
+    _compare_states(torch.load(out), torch.load(truth))
+    assert got[0] == ([(0.8, 0.95)], [1e-2])
+    assert type(got[0][0][0]) is tuple
+
+    # and unsharded (what shardsafe.lightning.consolidate writes)
+    want = torch.load(truth)
+    full_optim = shardsafe.unshard_optim_state(path, no_dist=True)
+    (group,) = full_optim["param_groups"]
+    assert group["betas"] == (0.8, 0.95) and group["lr"] == 1e-2 and group["params"] == want["optim"]["param_groups"][0]["params"]
+    for fqn, st in want["optim"]["state"].items():
+        for name, t in st.items():
+            assert_bits(full_optim["state"][fqn][name], t, f"{fqn}.{name}")
 
 
 def _checkpointer_load_cols(rank, ws, path, keys_shapes, out_path):
@@ -146,7 +177,8 @@ def test_dcp_save_through_writer_is_a_shardsafe_checkpoint(tmp_path, asynchronou
     names = sorted(os.listdir(path))
     assert names[0] == "metadata.json" and len(names) == 3 and all(n.startswith(("shard-r00000-", "shard-r00001-")) for n in names[1:])
     meta = Checkpointer().get_metadata(path, no_dist=True)
-    assert list(meta.pickled_objects) == ["optim.param_groups.0.betas"]  # the only value JSON cannot hold
+    assert meta.pickled_objects == {}  # AdamW's betas, a tuple, is tagged JSON
+    assert meta.objects["optim.param_groups.0.betas"] == {"__shardsafe__": "tuple", "items": [0.8, 0.95]}
     assert meta.objects["optim.param_groups.0.lr"] == 1e-2 and meta.objects["counter.history"] == [0.0, 0.5, 1.0]
 
     got = Checkpointer(allow_pickle=True).unshard(path)
@@ -422,24 +454,61 @@ def test_metadata_pickle_with_a_foreign_class_is_refused_unrun(tmp_path):
     assert issubclass(UnsafePickleError, CorruptCheckpointError)
 
 
+def test_tuples_and_the_like_are_tagged_json_not_pickle(tmp_path):
+    import collections
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ckpt")
+    values = {
+        "betas": (0.9, 0.99),
+        "od": (collections.OrderedDict([("b", 1), ("a", (2, float("inf")))]),),  # (DCP flattens a bare mapping)
+        "nan": float("nan"),
+        "np": np.float32(1.5),
+        "plain": ({"__shardsafe__": 1},),  # a dict holding the tag key is escaped, not misread
+    }
+    dcp.save({"w": full("w", (3,)), **values}, storage_writer=shardsafe.dcp.StorageWriter(path), no_dist=True)
+    meta = Checkpointer().get_metadata(path, no_dist=True)
+    assert meta.pickled_objects == {} and meta.objects["betas"] == {"__shardsafe__": "tuple", "items": [0.9, 0.99]}
+    for got in (
+        Checkpointer().unshard(path, no_dist=True),
+        _dcp_loaded(path, {"w": torch.zeros(3), **dict.fromkeys(values)}),
+    ):
+        assert got["betas"] == (0.9, 0.99) and type(got["betas"]) is tuple
+        od = got["od"][0]
+        assert type(od) is collections.OrderedDict and list(od.items()) == [("b", 1), ("a", (2, float("inf")))]
+        assert got["nan"] != got["nan"] and got["plain"] == ({"__shardsafe__": 1},)
+        assert type(got["np"]) is np.float32 and got["np"] == np.float32(1.5)
+        assert_bits(got["w"], full("w", (3,)), "w")
+
+
+def _dcp_loaded(path, target):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(target, storage_reader=shardsafe.dcp.StorageReader(path), no_dist=True)
+    return target
+
+
 def test_values_json_cannot_hold_need_allow_pickle(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     path = str(tmp_path / "ckpt")
-    sd = {"w": full("w", (3,)), "betas": (0.9, 0.99)}
+    sd = {"w": full("w", (3,)), "opt": [{"z": 1 + 2j}]}
     with pytest.raises(CheckpointException) as info:
         dcp.save(sd, storage_writer=shardsafe.dcp.StorageWriter(path), no_dist=True)
     cause = _dcp_failure(info.value)
-    assert isinstance(cause, PickleNotAllowedError) and "'betas'" in str(cause) and "tuple" in str(cause)
+    assert isinstance(cause, PickleNotAllowedError) and "key 'opt.0.z'" in str(cause) and "complex" in str(cause)
+    assert "allow_pickle=True to shardsafe.dcp.StorageWriter" in str(cause)
     assert not os.path.exists(os.path.join(path, "metadata.json"))
 
     dcp.save(sd, storage_writer=shardsafe.dcp.StorageWriter(path, allow_pickle=True), no_dist=True)
-    target = {"w": torch.zeros(3), "betas": None}
+    target = {"w": torch.zeros(3), "opt": [{"z": None}]}
     with pytest.raises(CheckpointException) as info:
         dcp.load(target, storage_reader=shardsafe.dcp.StorageReader(path), no_dist=True)
     assert isinstance(_dcp_failure(info.value), PickleNotAllowedError)
     dcp.load(target, storage_reader=shardsafe.dcp.StorageReader(path, allow_pickle=True), no_dist=True)
-    assert target["betas"] == (0.9, 0.99)
+    assert target["opt"][0]["z"] == 1 + 2j
     assert_bits(target["w"], full("w", (3,)), "w")
 
     # a committed checkpoint is not replaced unless asked

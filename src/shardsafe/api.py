@@ -16,7 +16,15 @@ from torch import nn
 
 from ._args import check_arg, check_bool
 from .adapters.modules import ParamInfo, model_state
-from .adapters.optim import GROUPS_KEY, STATE_PREFIX, check_param_groups, optim_state, optim_targets, split_state_key
+from .adapters.optim import (
+    GROUPS_KEY,
+    STATE_PREFIX,
+    check_param_groups,
+    dotted_param_groups,
+    optim_state,
+    optim_targets,
+    split_state_key,
+)
 from .checkpointer import Checkpointer, _read_metadata
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
@@ -260,9 +268,13 @@ def unshard_optim_state(
     if not flat and rank0_only and comm.rank != 0:
         return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
     name = GROUPS_KEY[len("optim.") :]
-    if name not in flat:
+    groups = flat.pop(name, None)
+    if groups is None:  # written by DCP (get_state_dict): param_groups.<i>.<field>
+        dotted = {k: flat.pop(k) for k in [k for k in flat if k.startswith(name + ".")]}
+        groups = dotted_param_groups(dotted, name + ".", str(dir))
+    if groups is None:
         raise CheckpointError(f"{dir}: no optimizer state in the checkpoint (no {GROUPS_KEY!r})")
-    groups = check_param_groups(flat.pop(name), str(dir))
+    groups = check_param_groups(groups, str(dir))
     fqns = {f for g in groups for f in g["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():

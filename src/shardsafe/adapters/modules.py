@@ -2,7 +2,8 @@
 
 The same parameter is named the same in a plain module, under DDP (``module.``), FSDP1
 (``_fsdp_wrapped_module.``), activation checkpointing (``_checkpoint_wrapped_module.``) and
-``torch.compile`` (``_orig_mod.``), so one checkpoint loads into all of them. Values are views on
+``torch.compile`` (``_orig_mod.``) and Lightning Fabric (``_forward_module.``), so one checkpoint
+loads into all of them. Values are views on
 the model's own memory, so filling them loads the model in place:
 
 - plain tensors (plain modules, DDP, buffers everywhere): replicated;
@@ -110,6 +111,9 @@ def _walk(model: nn.Module, what: str):
                 yield prefix + name, module, t
         wrapper = _is_wrapper(module)
         children = []
+        if type(module).__name__ == "_FabricModule":  # Lightning Fabric: the module it runs, unnamed (its
+            stack.append((module._modules["_forward_module"], prefix))  # _original_module is the same one, or inside it)
+            continue
         for name, child in module._modules.items():
             if child is None:
                 continue

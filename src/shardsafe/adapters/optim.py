@@ -5,7 +5,10 @@ Stored keys (never integer ids, never pickle):
 - ``optim.state.<param fqn>.<state name>``: a tensor with the parameter's sharding (``exp_avg``,
   ``momentum_buffer``...), a replicated scalar tensor (``step``), or a JSON value;
 - ``optim.param_groups``: a JSON list, one dict per group, its hyper-parameters and ``params``
-  as a list of parameter names.
+  as a list of parameter names. A checkpoint that ``torch.distributed.checkpoint`` wrote (through
+  ``shardsafe.dcp.StorageWriter``, or converted) holds the same groups flattened the way DCP
+  flattens a state dict, ``optim.param_groups.<i>.<field>``, tuples as tagged JSON:
+  :func:`stored_param_groups` reads either.
 
 Loading needs no state in the target optimizer: missing state tensors are allocated once, with the
 parameter's sharding and the stored dtype, filled in place, and handed to the optimizer's own
@@ -19,11 +22,15 @@ from typing import Any
 
 import torch
 
+from ..engine.objects import decode_objects
 from ..errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError, ShardingError
 from ..format.metadata import StorageMetadata
 from .modules import ParamInfo
 
-__all__ = ["CLASS_KEY", "GROUPS_KEY", "STATE_PREFIX", "check_param_groups", "optim_state", "optim_targets", "split_state_key"]
+__all__ = [
+    "CLASS_KEY", "GROUPS_KEY", "STATE_PREFIX", "check_param_groups", "optim_state", "optim_targets", "split_state_key",
+    "dotted_param_groups", "stored_param_groups",
+]
 
 STATE_PREFIX = "optim.state."
 GROUPS_KEY = "optim.param_groups"
@@ -101,9 +108,10 @@ def optim_targets(
 ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
     """Targets to fill from ``meta`` and a function that hands them (once filled) to ``optim``."""
     named = _named(optim, params)
-    if GROUPS_KEY not in meta.objects:
+    groups = stored_param_groups(meta, where)
+    if groups is None:
         raise CheckpointError(f"{where}: no optimizer state in the checkpoint (no {GROUPS_KEY!r}); was it saved with an optimizer?")
-    stored_groups = check_param_groups(meta.objects[GROUPS_KEY], where, current=optim.param_groups)
+    stored_groups = check_param_groups(groups, where, current=optim.param_groups)
     stored_class = meta.objects.get(CLASS_KEY)
     if strict and stored_class is not None and stored_class != _class_name(optim):
         raise CheckpointError(
@@ -169,6 +177,40 @@ def optim_targets(
     return targets, apply
 
 
+def stored_param_groups(meta: StorageMetadata, where: str) -> list[Any] | None:
+    """The stored ``optim.param_groups`` (None if there are none): the one JSON list
+    ``save_model_and_optim_state`` writes, or the groups rebuilt from the keys
+    ``optim.param_groups.<i>.<field>`` of a checkpoint DCP wrote (tagged values decoded)."""
+    if GROUPS_KEY in meta.objects:
+        return decode_objects(meta.objects, {}, [GROUPS_KEY], allow_pickle=False, where=where)[GROUPS_KEY]
+    prefix = GROUPS_KEY + "."
+    keys = [k for k in [*meta.objects, *meta.pickled_objects, *meta.tensors] if k.startswith(prefix)]
+    for key in keys:
+        if key not in meta.objects:
+            kind = "with pickle" if key in meta.pickled_objects else "as a tensor"
+            raise CheckpointError(
+                f"{where}: optimizer hyper-parameter {key!r} is stored {kind}; load_model_and_optim_state restores "
+                "JSON values only. Load it with Checkpointer (allow_pickle=True for a pickled value) and set it yourself"
+            )
+    return dotted_param_groups(decode_objects(meta.objects, {}, keys, allow_pickle=False, where=where), prefix, where)
+
+
+def dotted_param_groups(values: dict[str, Any], prefix: str, where: str) -> list[dict[str, Any]] | None:
+    """Param groups from values keyed ``<prefix><group index>.<field>`` (as DCP flattens them);
+    None when there are none."""
+    found: dict[int, dict[str, Any]] = {}
+    for key, value in values.items():
+        index, _, field = key[len(prefix) :].partition(".")
+        if not key.startswith(prefix) or not index.isdigit() or not field:
+            raise CorruptCheckpointError(f"{where}: key {key!r} is not {prefix}<group index>.<field>")
+        found.setdefault(int(index), {})[field] = value
+    if not found:
+        return None
+    if sorted(found) != list(range(len(found))):
+        raise CorruptCheckpointError(f"{where}: optimizer param groups {sorted(found)} are stored; expected 0..{len(found) - 1}")
+    return [found[i] for i in range(len(found))]
+
+
 def _target(current: Any, shape: tuple[int, ...], dtype: torch.dtype, info: ParamInfo, p: torch.Tensor, key: str, where: str) -> torch.Tensor:
     """The tensor to load ``key`` into: the optimizer's own if it fits, else a new one like ``p``."""
     if shape == ():
@@ -218,7 +260,7 @@ def check_param_groups(groups: Any, where: str, *, current: list[dict[str, Any]]
                     f"{where}: {field}, field {key!r}: the optimizer holds a tensor of {mine.numel()} element(s) there, "
                     f"the checkpoint {_kind(value)}; only one number can be restored into it"
                 )
-            if isinstance(mine, tuple) and not isinstance(value, list):
+            if isinstance(mine, tuple) and not isinstance(value, (list, tuple)):
                 raise CorruptCheckpointError(f"{where}: {field}, field {key!r}: the optimizer holds a tuple there, the checkpoint {_kind(value)}")
     return groups
 

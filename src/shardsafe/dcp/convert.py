@@ -19,7 +19,7 @@ from math import prod
 
 from .._args import check_bool
 from ..engine.buffers import WriteBehind, byte_view
-from ..engine.objects import encode_objects
+from ..engine.objects import encode_tagged
 from ..engine.writer import _committed_version, _CommitUnknownError, _put_metadata, _sweep
 from ..errors import CheckpointExistsError, CorruptCheckpointError, ShardingError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
@@ -49,8 +49,9 @@ def convert(
     """Convert the DCP checkpoint at ``src`` (``.metadata`` and ``.distcp`` files, local or in an
     object store) into a shardsafe checkpoint at ``dst``; returns its metadata.
 
-    Tensors keep DCP's chunks (any layout loads them back). Non-tensor values are stored as JSON;
-    values JSON cannot hold (tuples, other objects) need ``allow_pickle=True``, and values that
+    Tensors keep DCP's chunks (any layout loads them back). Non-tensor values are stored as JSON,
+    tuples and the like as tagged JSON (``docs/format.md`` §13); other objects need
+    ``allow_pickle=True``, and values that
     torch's safe loader refuses are read at all only then. ``overwrite`` replaces a checkpoint
     committed at ``dst``; otherwise one there raises ``CheckpointExistsError`` before anything is
     written. ``progress``: ``True`` prints progress to stderr, a callable is called with
@@ -69,7 +70,7 @@ def convert(
         raise CheckpointExistsError(f"{out.url}: a checkpoint is already committed there; pass overwrite=True to replace it")
 
     values = {key: dcp_format.load_value(dcp_format.read_item(source, it), it, ckpt.where, allow_pickle=allow_pickle) for key, it in ckpt.values.items()}
-    as_json, pickled = encode_objects(values, allow_pickle=allow_pickle)
+    as_json, pickled = encode_tagged(values, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")
 
     # every chunk's place in the new files, before anything is written
     save_id = uuid.uuid4().hex[:12]

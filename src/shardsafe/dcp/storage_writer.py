@@ -41,7 +41,7 @@ from torch.futures import Future
 
 from .._args import check_bool
 from ..engine.buffers import WriteBehind, byte_view
-from ..engine.objects import encode_objects, merge_rank_objects
+from ..engine.objects import encode_tagged, merge_rank_objects
 from ..engine.writer import _committed_version, _CommitUnknownError, _put_metadata, _sweep
 from ..errors import CheckpointError, CheckpointExistsError, DtypeMismatchError, ShapeMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
@@ -57,6 +57,8 @@ from ..storage.base import DCP_METADATA
 from .values import value_of
 
 __all__ = ["StorageWriter"]
+
+_OPT_IN = "or pass allow_pickle=True to shardsafe.dcp.StorageWriter to store it with pickle"
 
 log = logging.getLogger(__name__)
 _USED_SAVE_IDS: set[str] = set()  # a plan DCP replays from its plan cache carries an old id: never reuse one
@@ -104,8 +106,11 @@ class StorageWriter(_DcpStorageWriter):
 
     ``overwrite``: replace a checkpoint already committed there (it stays loadable until the new
     one commits); otherwise such a save fails with ``CheckpointExistsError`` before writing.
-    ``allow_pickle``: store non-tensor values that JSON cannot hold (tuples, arbitrary objects)
-    with pickle; otherwise they are refused with ``PickleNotAllowedError`` naming the key.
+    Non-tensor values that JSON cannot hold but shardsafe's tagged JSON can (tuples such as
+    AdamW's ``betas``, ``OrderedDict``, NaN and infinities, NumPy scalars, sets, bytes, torch
+    dtypes; ``docs/format.md`` §13) are stored as tagged JSON and come back as they were.
+    ``allow_pickle``: store the other values (arbitrary objects) with pickle; otherwise they are
+    refused with ``PickleNotAllowedError`` naming the key path of the offending part.
     Saving with ``use_collectives=False`` (rank-local metadata) is refused: a shardsafe
     checkpoint is committed by one ``metadata.json``.
     """
@@ -250,7 +255,7 @@ class StorageWriter(_DcpStorageWriter):
             value = planner.lookup_object(item.index)  # the object itself, before DCP would pickle it
         else:  # a planner of its own: what it resolves is what is stored
             value = value_of(planner.resolve_data(item), key, allow_pickle=self.allow_pickle)
-        as_json, pickled = encode_objects({key: value}, allow_pickle=self.allow_pickle)
+        as_json, pickled = encode_tagged({key: value}, allow_pickle=self.allow_pickle, opt_in=_OPT_IN)
         size = len(pickled[key]) if key in pickled else len(json.dumps(as_json[key]))
         return WriteResult(index=item.index, size_in_bytes=size, storage_data=_StoredValue(as_json, pickled))
 

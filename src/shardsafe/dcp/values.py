@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..engine.objects import TAG
 from ..errors import CorruptCheckpointError, PickleNotAllowedError
 
 __all__ = ["dcp_leaves", "get_path", "torch_saved", "value_of"]
@@ -30,17 +31,18 @@ Path = tuple[str | int, ...]
 
 def dcp_leaves(key: str, value: Any) -> Iterator[tuple[str, Path]]:
     """``(dotted key, path inside value)`` of each leaf of ``value`` as DCP flattens a state dict:
-    dicts are entered, lists only when they hold a dict or a list that is entered itself."""
+    dicts are entered (not a tagged object, which stands for one Python value), lists only when
+    they hold a dict or a list that is entered itself."""
 
     def terminal(v: Any) -> bool:
         if isinstance(v, dict):
-            return False
+            return TAG in v
         if isinstance(v, list):
             return not any(isinstance(x, (dict, list)) and not terminal(x) for x in v)
         return True
 
     def walk(path: Path, v: Any) -> Iterator[tuple[str, Path]]:
-        if isinstance(v, dict):
+        if isinstance(v, dict) and TAG not in v:
             for k, x in v.items():
                 yield from walk((*path, str(k)), x)
         elif terminal(v):

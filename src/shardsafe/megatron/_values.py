@@ -60,13 +60,19 @@ INLINE_BYTES = 1 << 20
 _SIMPLE = (type(None), bool, int, str)
 
 
-def encode_value(value: Any, *, where: str, allow_pickle: bool) -> Any:
+_MEGATRON_OPT_IN = (
+    "wrap it in a LocalNonpersistentObject if it need not be saved, or opt in to pickle with "
+    "sharded_strategy=shardsafe.megatron.strategies.ShardsafeSaveShardedStrategy(allow_pickle=True)"
+)
+
+
+def encode_value(value: Any, *, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_OPT_IN) -> Any:
     """``value`` as a JSON value (see the module docstring); ``where`` names it in errors.
 
     Raises ``PickleNotAllowedError`` naming the key path of a part that has no JSON form,
-    unless ``allow_pickle``.
+    unless ``allow_pickle``; ``opt_in`` ends its message (how the caller opts in to pickle).
     """
-    out = _Encoder(where, allow_pickle).encode(value, ())
+    out = _Encoder(where, allow_pickle, opt_in).encode(value, ())
     if nesting_exceeds(out, MAX_DEPTH):
         raise CheckpointingException(
             f"{where}: nests lists, dicts and tuples too deep to store (at most {MAX_DEPTH} levels once encoded)"
@@ -74,9 +80,13 @@ def encode_value(value: Any, *, where: str, allow_pickle: bool) -> Any:
     return out
 
 
-def decode_value(value: Any, *, where: str, allow_pickle: bool) -> Any:
-    """The Python value :func:`encode_value` encoded; ``where`` names it in errors."""
-    return _Decoder(where, allow_pickle).decode(value, ())
+_MEGATRON_LOAD_OPT_IN = "sharded_strategy=shardsafe.megatron.strategies.ShardsafeLoadShardedStrategy(allow_pickle=True)"
+
+
+def decode_value(value: Any, *, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_LOAD_OPT_IN) -> Any:
+    """The Python value :func:`encode_value` encoded; ``where`` names it in errors, ``opt_in`` says
+    how the caller opts in to unpickling a ``pickle`` tag."""
+    return _Decoder(where, allow_pickle, opt_in).decode(value, ())
 
 
 def _path(path: tuple) -> str:
@@ -84,9 +94,10 @@ def _path(path: tuple) -> str:
 
 
 class _Encoder:
-    def __init__(self, where: str, allow_pickle: bool) -> None:
+    def __init__(self, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_OPT_IN) -> None:
         self.where = where
         self.allow_pickle = allow_pickle
+        self.opt_in = opt_in
         self.active: set[int] = set()  # containers on the path being encoded: a cycle is an error
 
     def encode(self, v: Any, path: tuple) -> Any:
@@ -173,9 +184,7 @@ class _Encoder:
         raise PickleNotAllowedError(
             f"{self.where}: the value at key path {_path(path)} is a {t.__module__}.{t.__qualname__}, which shardsafe "
             "does not store without pickle (it stores None, bool, int, float, str, list, dict, tuple, set, bytes, "
-            "argparse.Namespace, enums, torch dtypes, devices and tensors, numpy scalars and arrays). Convert it, "
-            "wrap it in a LocalNonpersistentObject if it need not be saved, or opt in to pickle with "
-            "sharded_strategy=shardsafe.megatron.strategies.ShardsafeSaveShardedStrategy(allow_pickle=True)"
+            f"argparse.Namespace, enums, torch dtypes, devices and tensors, numpy scalars and arrays). Convert it, {self.opt_in}"
         )
 
 
@@ -184,9 +193,10 @@ def _b64(raw: bytes) -> str:
 
 
 class _Decoder:
-    def __init__(self, where: str, allow_pickle: bool) -> None:
+    def __init__(self, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_LOAD_OPT_IN) -> None:
         self.where = where
         self.allow_pickle = allow_pickle
+        self.opt_in = opt_in
 
     def bad(self, path: tuple, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.where}: the stored value at key path {_path(path)} is invalid: {what}")
@@ -319,8 +329,7 @@ class _Decoder:
         if not self.allow_pickle:
             raise PickleNotAllowedError(
                 f"{self.where}: the value at key path {_path(path)} was stored with pickle; loading it can run arbitrary "
-                "code. Opt in only if you trust this checkpoint: "
-                "sharded_strategy=shardsafe.megatron.strategies.ShardsafeLoadShardedStrategy(allow_pickle=True)"
+                f"code. Opt in only if you trust this checkpoint: {self.opt_in}"
             )
         return pickle.loads(self._tag_bytes(v, path))
 

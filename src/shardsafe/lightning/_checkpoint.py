@@ -1,0 +1,201 @@
+"""Lightning checkpoints as shardsafe checkpoints, with no Lightning import.
+
+A Lightning checkpoint is a model, its optimizer and everything else the ``Trainer`` (or a
+Fabric user) puts in the checkpoint dict: epoch, global step, loop and callback state,
+scheduler states, hyper-parameters. shardsafe stores it as one checkpoint, one atomic commit:
+
+- ``model.<name>``: the module's parameters and persistent buffers, each rank its own shards
+  (the keys :func:`shardsafe.save_model_and_optim_state` writes, so the checkpoint also loads
+  with :func:`shardsafe.load_model_and_optim_state` and :func:`shardsafe.unshard_model_state`);
+- ``optim.*``: the optimizer's state and param groups, by parameter name;
+- ``lightning.meta``: everything else, one JSON value in ``metadata.json``, with tuples,
+  tensors (inline, up to 1 MiB each), NaN and the like as tagged JSON (``docs/format.md`` §13).
+  An object that has no JSON form is refused unless the caller opts in to pickle.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..api import _load_state, model_and_optim_values
+from ..checkpointer import Checkpointer
+from ..dist import get_comm
+from ..engine.objects import decode_objects
+from ..errors import CheckpointError, CorruptCheckpointError, MissingKeyError
+from ..format.metadata import StorageMetadata
+from ..knobs import Knobs
+from ..storage import Location, open_storage
+from ..storage.base import DCP_METADATA
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["META_KEY", "is_lightning_dcp_folder", "is_shardsafe_checkpoint", "load_checkpoint", "read_meta", "save_checkpoint"]
+
+META_KEY = "lightning.meta"
+LIGHTNING_META_FILE = "meta.pt"  # Lightning's loop state beside a DCP checkpoint (torch.save'd)
+_OPT_IN = "or pass allow_pickle=True to the shardsafe.lightning strategy to store it with pickle"
+
+
+def is_shardsafe_checkpoint(path: Location) -> bool:
+    """True when ``path`` is a local folder holding a committed shardsafe checkpoint."""
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def is_lightning_dcp_folder(path: Location) -> bool:
+    """True when ``path`` is a folder Lightning's sharded save wrote (DCP files and ``meta.pt``)."""
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, DCP_METADATA))
+
+
+def _plain(value: Any) -> Any:
+    """Dict subclasses Lightning uses (``AttributeDict`` for hyper-parameters) as plain dicts."""
+    if isinstance(value, Mapping) and type(value) not in (dict, OrderedDict):
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _plain(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _one_optimizer(optimizers: list[torch.optim.Optimizer], where: str) -> torch.optim.Optimizer | None:
+    if len(optimizers) > 1:
+        raise CheckpointError(
+            f"{where}: shardsafe.lightning saves one optimizer per checkpoint, the module has {len(optimizers)}; "
+            "combine their parameter groups into one optimizer, or save with Lightning's own strategy"
+        )
+    return optimizers[0] if optimizers else None
+
+
+def save_checkpoint(
+    path: Location,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    meta: dict[str, Any],
+    *,
+    allow_pickle: bool = False,
+    knobs: Knobs | None = None,
+    process_group: ProcessGroup | None = None,
+) -> None:
+    """Save ``module``, its optimizer and ``meta`` (the rest of the checkpoint dict) at ``path``;
+    every rank calls it together. A checkpoint already there is replaced (Lightning's own
+    behaviour for ``last.ckpt`` and the like): the old one stays loadable until the new one commits."""
+    from ..megatron._values import encode_value
+
+    optim = _one_optimizer(optimizers, str(path))
+    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        os.unlink(path)  # a single-file checkpoint of an earlier run there (Lightning's own strategy does the same)
+    ckpt = Checkpointer(knobs=knobs)
+    storage = open_storage(path)
+    state = model_and_optim_values(module, optim)
+    state[META_KEY] = encode_value(_plain(meta), where=f"{storage.url}: the checkpoint's {META_KEY!r}", allow_pickle=allow_pickle, opt_in=_OPT_IN)
+    comm = get_comm(process_group=process_group, call="shardsafe.lightning.save_checkpoint", timeout_s=ckpt.knobs.collective_timeout_s)
+    ckpt._save(storage, state, True, comm)
+
+
+def load_checkpoint(
+    path: Location,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    knobs: Knobs | None = None,
+    process_group: ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint of :func:`save_checkpoint` into ``module`` and its optimizer in place (any
+    world size, any sharding) and return the rest of the checkpoint dict; every rank calls it
+    together. ``strict``: refuse parameters the checkpoint holds and the module lacks."""
+    optim = _one_optimizer(optimizers, str(path))
+    ckpt = Checkpointer(knobs=knobs)
+    storage = open_storage(path)
+    comm = get_comm(process_group=process_group, call="shardsafe.lightning.load_checkpoint", timeout_s=ckpt.knobs.collective_timeout_s)
+    out: dict[str, Any] = {}
+
+    def meta_target(meta: StorageMetadata) -> dict[str, Any]:  # every rank, inside the load's first check
+        out.update(_decode_meta(meta, storage.url, allow_pickle))
+        return {}
+
+    _load_state(ckpt, storage, comm, module, optim, validate=strict, more_targets=meta_target)
+    return out
+
+
+def read_meta(path: Location, *, allow_pickle: bool = False) -> dict[str, Any]:
+    """The checkpoint dict without model and optimizer state (``lightning.meta``), decoded; needs no process group."""
+    storage = open_storage(path)
+    return _decode_meta(Checkpointer().get_metadata(storage, no_dist=True), storage.url, allow_pickle)
+
+
+def _decode_meta(meta: StorageMetadata, where: str, allow_pickle: bool) -> dict[str, Any]:
+    if META_KEY not in meta.objects:
+        raise MissingKeyError(f"{where}: no {META_KEY!r} in the checkpoint; was it saved by shardsafe.lightning?")
+    opt_in = "pass allow_pickle=True to the shardsafe.lightning strategy (or to read_meta, consolidate)"
+    value = decode_objects(meta.objects, {}, [META_KEY], allow_pickle=allow_pickle, where=where, opt_in=opt_in)[META_KEY]
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{where}: {META_KEY!r} must be a dict (the checkpoint dict), found a {type(value).__name__}")
+    return value
+
+
+def consolidate(dir: Location, out: str | os.PathLike | None = None, *, allow_pickle: bool = False) -> dict[str, Any]:
+    """The single-file checkpoint Lightning users load with ``torch.load(...)["state_dict"]``, from a
+    checkpoint of :func:`save_checkpoint` (or of :func:`shardsafe.save_model_and_optim_state`):
+    ``{"state_dict": {name: tensor}, "optimizer_states": [{"state": {name: {...}}, "param_groups":
+    [...]}], **the rest of the checkpoint dict}``, what ``python -m
+    lightning.pytorch.utilities.consolidate_checkpoint`` writes. Written to ``out`` with
+    ``torch.save`` when given; returned either way. Needs no process group and no Lightning.
+
+    A folder Lightning's own sharded save wrote (DCP files and ``meta.pt``) consolidates too: its
+    ``.metadata`` is read through :mod:`shardsafe.dcp`'s allowlist and ``meta.pt`` with
+    ``torch.load(weights_only=True)`` (Lightning's own tool unpickles both)."""
+    from ..adapters.optim import stored_param_groups
+    from ..api import unshard_model_state, unshard_optim_state
+
+    if is_lightning_dcp_folder(dir):
+        result = _consolidate_lightning_dcp_folder(str(dir), allow_pickle)
+    else:
+        storage = open_storage(dir)
+        meta = Checkpointer().get_metadata(storage, no_dist=True)
+        result = _decode_meta(meta, storage.url, allow_pickle) if META_KEY in meta.objects else {}
+        result["state_dict"] = unshard_model_state(storage, device="cpu", no_dist=True)
+        if stored_param_groups(meta, storage.url) is not None:
+            result["optimizer_states"] = [unshard_optim_state(storage, device="cpu", no_dist=True)]
+    if out is not None:
+        torch.save(result, out)
+    return result
+
+
+def _consolidate_lightning_dcp_folder(path: str, allow_pickle: bool) -> dict[str, Any]:
+    import re
+
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from ..dcp import StorageReader
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=StorageReader(path, allow_pickle=allow_pickle), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    meta_file = os.path.join(path, LIGHTNING_META_FILE)
+    if os.path.isfile(meta_file):
+        try:
+            state.update(torch.load(meta_file, map_location="cpu", weights_only=not allow_pickle))
+        except Exception as e:  # noqa: BLE001 - torch's safe unpickler raises UnpicklingError, or others for a damaged file
+            from ..errors import PickleNotAllowedError
+
+            if allow_pickle or "weights_only" not in str(e):
+                raise CorruptCheckpointError(f"{meta_file}: cannot be read: {type(e).__name__}: {str(e)[:300]}") from None
+            raise PickleNotAllowedError(
+                f"{meta_file}: holds objects torch's safe loader refuses ({str(e).splitlines()[0][:200]}); pass "
+                "allow_pickle=True to shardsafe.lightning.consolidate only if you trust this checkpoint"
+            ) from None
+    if "state_dict" not in state and "model" in state:  # FSDPStrategy's and Fabric's name for the model
+        state["state_dict"] = state.pop("model")
+    optims = sorted((k for k in state if re.fullmatch(r"optimizer_[0-9]+", k)), key=lambda k: int(k.split("_")[1]))
+    if optims:
+        state["optimizer_states"] = [state.pop(k) for k in optims]
+    return state
