@@ -28,6 +28,7 @@ from .errors import (
     StorageError,
 )
 from .format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
+from .hf import load_hf_safetensors
 from .manager import CheckpointManager
 from .rng import RNGState
 from .verify import VerifyReport, verify
@@ -59,6 +60,7 @@ __all__ = [
     "TensorStorageMetadata",
     "VerifyReport",
     "async_save_model_and_optim_state",
+    "load_hf_safetensors",
     "load_model_and_optim_state",
     "save_model_and_optim_state",
     "unshard_model_state",
