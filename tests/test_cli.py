@@ -381,3 +381,32 @@ def test_load_hf_refusals(tmp_path):
     index.write_text(json.dumps(doc))
     with pytest.raises(shardsafe.CorruptCheckpointError, match="names file '../elsewhere.safetensors'"):
         shardsafe.load_hf_safetensors(path, _model(), prefix="net.")
+
+
+# ------------------------------------------------------------------ logging
+
+
+def test_one_info_line_per_save_load_unshard_verify_export(tmp_path, caplog):
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="shardsafe")
+    d = tmp_path / "ck"
+    state = _state()
+    Checkpointer().save(d, state)
+    Checkpointer().load(d, {k: (v.clone() if isinstance(v, torch.Tensor) else None) for k, v in state.items()})
+    Checkpointer().unshard(d)
+    shardsafe.verify(d)
+    shardsafe.unshard_to_safetensors(d, tmp_path / "m.safetensors")
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name.startswith("shardsafe")]
+    rate = r"\d+\.\d\d s, \d+\.\d\d GB/s"
+    patterns = [
+        rf"save {re.escape(str(d))}: 3 tensors, 2 values, \d+ bytes from 1 rank\(s\), {rate}",
+        rf"load {re.escape(str(d))}: 5 targets, 174 bytes read on the coordinator, {rate}",
+        rf"unshard {re.escape(str(d))}: 3 tensors, 174 bytes read, {rate}",
+        rf"verify {re.escape(str(d))}: 1 files, 3 chunks, 174 bytes, 0 problem\(s\), {rate}",
+        rf"unshard {re.escape(str(d))} -> {re.escape(str(tmp_path / 'm.safetensors'))}: 3 tensors, 174 bytes in 1 file\(s\), {rate}",
+    ]
+    assert len(lines) == len(patterns), lines
+    for line, pattern in zip(lines, patterns):
+        assert re.fullmatch(pattern, line), (line, pattern)
