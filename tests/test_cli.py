@@ -410,3 +410,21 @@ def test_one_info_line_per_save_load_unshard_verify_export(tmp_path, caplog):
     assert len(lines) == len(patterns), lines
     for line, pattern in zip(lines, patterns):
         assert re.fullmatch(pattern, line), (line, pattern)
+
+
+def test_pyproject_has_no_deprecations_and_help_reads_as_our_api():
+    import pydoc
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_configuration(Distribution(), str(ROOT / "pyproject.toml"))
+    assert [str(w.message) for w in caught] == []
+    text = pydoc.render_doc(shardsafe, renderer=pydoc.plaintext)
+    assert "pydantic" not in text and "model_validate" not in text
+    assert "load_hf_safetensors" in text and "class Checkpointer" in text
+    assert len(text.splitlines()) < 2000  # was 3254, two thirds of it pydantic's inherited methods
+    assert shardsafe.StorageMetadata.__module__ == "shardsafe.format.metadata"  # still importable from shardsafe
