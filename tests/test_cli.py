@@ -342,15 +342,28 @@ def _load_tp(rank, ws, path):
     return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("fn", [_load_fsdp2, _load_tp], ids=["fsdp2", "tp"])
-def test_load_hf_into_sharded_models_bit_exact(tmp_path, fn):
+def _load_fsdp2_tp(rank, ws, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("fn", "ws"), [(_load_fsdp2, 2), (_load_tp, 2), (_load_fsdp2_tp, 4)], ids=["fsdp2", "tp", "fsdp2+tp"])
+def test_load_hf_into_sharded_models_bit_exact(tmp_path, fn, ws):
     path, sd = _hf_file(tmp_path)
     plain = _model()
     total = shardsafe.load_hf_safetensors(path, plain, prefix="net.")
     assert total == sum(v.numel() * 4 for v in sd.values())
     for k, v in plain.state_dict().items():
         assert torch.equal(v, sd["net." + k])
-    results = run_ranks(2, fn, str(path))
+    results = run_ranks(ws, fn, str(path))
     for n, got in results:
         assert n < total  # each rank reads its share, not the model
         for k, v in got.items():
