@@ -487,3 +487,38 @@ def test_cli_and_hf_on_s3(s3, tmp_path, capsys):
     assert got.keys() == sd.keys() and all(torch.equal(got[k], v) for k, v in sd.items())
     assert main(["inspect", url + "-missing"]) == 2
     assert "not a committed checkpoint" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ progress
+
+
+def test_progress_bar_on_a_terminal_only(ckpt, capsys):
+    seen: list[tuple[int, int]] = []
+    shardsafe.verify(ckpt, progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (174, 174) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    shardsafe.unshard_to_safetensors(ckpt, ckpt.parent / "m.safetensors", progress=True)
+    assert "unshard_to_safetensors" in capsys.readouterr().err  # the tqdm bar, drawn on stderr
+    assert main(["verify", str(ckpt)]) == 0
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here: no bar
+    import fcntl
+    import struct
+    import termios
+
+    primary, secondary = os.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide: tqdm draws nothing
+    try:
+        r = subprocess.run([sys.executable, "-m", "shardsafe", "verify", str(ckpt)], stdout=subprocess.PIPE, stderr=secondary, env=ENV, timeout=120)
+        os.close(secondary)
+        err = b""
+        while True:
+            try:
+                chunk = os.read(primary, 1 << 16)
+            except OSError:  # EIO: the other side is closed and drained
+                break
+            if not chunk:
+                break
+            err += chunk
+    finally:
+        os.close(primary)
+    assert r.returncode == 0 and r.stdout == b"OK: 1 file(s), 3 chunk(s), 174 bytes checked\n"
+    assert b"\rverify:   0%|" in err and b"/174 [" in err  # tqdm: bytes done / total, rate, ETA

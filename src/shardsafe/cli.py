@@ -66,19 +66,9 @@ class _Out:
         """A progress callback drawing a bar on stderr, or None when stderr is not a terminal."""
         if self.quiet or self.json or not sys.stderr.isatty():
             return None
-        from tqdm import tqdm
+        from ._progress import tqdm_bar
 
-        state: dict[str, Any] = {}
-
-        def update(done: int, total: int) -> None:
-            bar = state.get("bar")
-            if bar is None:
-                bar = state["bar"] = tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr, leave=False)
-            bar.update(done - bar.n)
-            if done >= total:
-                bar.close()
-
-        return update
+        return tqdm_bar(what)
 
 
 def _table(rows: list[list[str]], head: list[str]) -> list[str]:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ._args import check_arg, check_bool
+from ._progress import progress_callback
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.checksum import file_digest
 from .format.dtypes import SAFETENSORS_CODE
@@ -47,19 +48,20 @@ def verify(
     *,
     collect_all: bool = False,
     threads: int = 1,
-    progress: Callable[[int, int], None] | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Read every chunk of the checkpoint at ``dir`` and check it against the metadata.
 
     Raises ``CorruptCheckpointError`` at the first bad chunk, or with ``collect_all=True``
     returns a report listing every problem. ``threads``: data files checked at once (each with a read buffer of up to
     ``KNOBS.read_buffer_bytes``).
-    ``progress(done, total)`` is called with the bytes of chunks checked so far (from the
-    thread that checked them). Needs no process group.
+    ``progress``: ``True`` draws a progress bar (tqdm) on stderr; a callable is called as
+    ``progress(done, total)`` with the bytes of chunks checked so far (from the thread that
+    checked them). Needs no process group.
     """
     check_bool("verify", "collect_all", collect_all)
     check_arg("verify", "threads", threads, int)
-    check_arg("verify", "progress", progress, Callable, optional=True)
+    progress = progress_callback(progress, "verify")
     if threads < 1:
         raise CheckpointError(f"verify: threads must be at least 1, got {threads}")
     started = time.monotonic()

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .._args import check_arg, check_bool
+from .._progress import progress_callback
 from ..adapters import describe_state
 from ..errors import (
     CheckpointError,
@@ -74,7 +75,7 @@ def unshard_to_safetensors(
     overwrite: bool = False,
     max_shard_size: int | None = None,
     dtype: torch.dtype | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
     knobs: Knobs | None = None,
 ) -> dict[str, int]:
     """Write every tensor of the checkpoint at ``dir`` into one safetensors file at ``out_path``
@@ -97,7 +98,8 @@ def unshard_to_safetensors(
 
     ``dtype``: cast every floating-point tensor to it (``torch.bfloat16``, ...); other tensors
     are written as stored. Checksums are checked on the stored bytes, before the cast.
-    ``progress(done, total)`` is called with bytes of tensor data written so far.
+    ``progress``: ``True`` draws a progress bar (tqdm) on stderr; a callable is called as
+    ``progress(done, total)`` with the bytes of tensor data written so far.
 
     Peak memory is four blocks of ``knobs.write_block_bytes`` (64 MiB by default) when every
     chunk is a run of rows (as FSDP / ``Shard(0)`` saves them), plus as many cast blocks with
@@ -141,7 +143,7 @@ def unshard_to_safetensors(
     entries = {name: _entry(name, tm, cast[name]) for name, (_, tm) in tensors.items()}
     groups = [sorted(tensors)] if folder is None else _shards(sorted(tensors), entries, max_shard_size)  # type: ignore[arg-type]
     total = sum(e.nbytes for e in entries.values())
-    counter = _Progress(progress, total)
+    counter = _Progress(progress_callback(progress, "unshard_to_safetensors"), total)
     outputs = [single] if folder is None else folder.outputs(len(groups), knobs)  # type: ignore[list-item]
     file_bytes = 0
     with Reader(storage, knobs) as reader:
