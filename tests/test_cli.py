@@ -522,3 +522,11 @@ def test_progress_bar_on_a_terminal_only(ckpt, capsys):
         os.close(primary)
     assert r.returncode == 0 and r.stdout == b"OK: 1 file(s), 3 chunk(s), 174 bytes checked\n"
     assert b"\rverify:   0%|" in err and b"/174 [" in err  # tqdm: bytes done / total, rate, ETA
+
+
+def test_convert_from_dcp_of_a_folder_without_dcp_metadata(ckpt, capsys):
+    assert main(["convert", str(ckpt), str(ckpt.parent / "x"), "--from", "dcp"]) == 2
+    assert capsys.readouterr().err == (
+        f"shardsafe convert: error: {ckpt}: not a torch.distributed.checkpoint checkpoint: it holds 2 file(s) but has no "
+        ".metadata; it is a shardsafe checkpoint already\n"
+    )
