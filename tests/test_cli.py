@@ -530,3 +530,10 @@ def test_convert_from_dcp_of_a_folder_without_dcp_metadata(ckpt, capsys):
         f"shardsafe convert: error: {ckpt}: not a torch.distributed.checkpoint checkpoint: it holds 2 file(s) but has no "
         ".metadata; it is a shardsafe checkpoint already\n"
     )
+
+
+def test_common_options_before_or_after_the_command(ckpt, capsys):
+    assert main(["--json", "verify", str(ckpt)]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert main(["-q", "verify", str(ckpt)]) == 0
+    assert capsys.readouterr().out == ""

@@ -288,15 +288,20 @@ def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    common.add_argument("--quiet", "-q", action="store_true", help="print nothing but errors (the exit status tells)")
-    common.add_argument("--debug", action="store_true", help="show a traceback on error, and debug logging")
+    def options(default: bool | str) -> argparse.ArgumentParser:
+        # before or after the command; a subcommand's parser must not reset what was given before it
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--json", action="store_true", default=default, help="print one JSON document on stdout")
+        parser.add_argument("--quiet", "-q", action="store_true", default=default, help="print nothing but errors (the exit status tells)")
+        parser.add_argument("--debug", action="store_true", default=default, help="show a traceback on error, and debug logging")
+        return parser
+
+    common = options(argparse.SUPPRESS)
     p = argparse.ArgumentParser(
         prog="shardsafe",
         description="Inspect, verify, compare, export and convert shardsafe checkpoints. Exit status: 0 ok, "
         "1 damage (verify) or differences (diff) found, 2 error.",
-        parents=[common],
+        parents=[options(False)],
     )
     from . import __version__
 
