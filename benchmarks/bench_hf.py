@@ -13,7 +13,19 @@ Usage::
   parameters; the limit: each rank ``preadv``s its share of the bytes.
 
 Each case runs in fresh processes; peak RSS is ``ru_maxrss`` less the RSS after setup (model built).
-Prints a markdown table.
+Prints a markdown table. Measured on the development machine (2 CPU cores shared with other
+jobs, load average about 10, so noisy; 256 MiB, 2 ranks, median of 3, RSS growth includes each
+rank touching its own 128 MiB parameter shard)::
+
+    | what | how | seconds | GB/s | peak RSS per process | bytes read per rank |
+    | export | shardsafe | 0.720 | 0.37 | 52 MiB | 256 MiB |
+    | export | unshard+save_file | 1.098 | 0.24 | 271 MiB | 256 MiB |
+    | export | raw copy (limit) | 0.656 | 0.41 | -0 MiB | 256 MiB |
+    | load 2 ranks | shardsafe | 0.217 | 1.24 | 132 MiB | 128 MiB |
+    | load 2 ranks | safetensors+distribute_tensor | 0.605 | 0.44 | 258 MiB | 256 MiB |
+    | load 2 ranks | preadv share (limit) | 0.541 | 0.50 | 131 MiB | 128 MiB |
+
+(the single-threaded ``preadv`` "limit" loses to shardsafe's reader threads on these busy cores.)
 """
 
 from __future__ import annotations
