@@ -537,3 +537,25 @@ def test_common_options_before_or_after_the_command(ckpt, capsys):
     assert json.loads(capsys.readouterr().out)["ok"] is True
     assert main(["-q", "verify", str(ckpt)]) == 0
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("dims", [[0, 0, 1, 1], [1, 0, 0, 1]], ids=["rows-then-columns", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_export_casts_on_both_paths_and_shards_bit_exact(tmp_path, dims, dtype):
+    import dataclasses
+
+    from shardsafe.knobs import KNOBS
+
+    from .test_engine_consolidate import _two_ranks
+
+    d, full = _two_ranks(tmp_path, dims)  # row slabs stream through the ring, column shards load whole
+    small = dataclasses.replace(KNOBS, write_block_bytes=1 << 16)  # several blocks per tensor
+    counts = shardsafe.unshard_to_safetensors(d, tmp_path / "hf", max_shard_size=300_000, dtype=dtype, knobs=small)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert counts["files"] == len(set(index["weight_map"].values())) > 1
+    got = {}
+    for f in set(index["weight_map"].values()):
+        got.update(safetensors.torch.load_file(tmp_path / "hf" / f))
+    assert got.keys() == full.keys()
+    for k, v in full.items():
+        assert got[k].dtype == dtype and torch.equal(got[k], v.to(dtype)), k

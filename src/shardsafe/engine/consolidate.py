@@ -225,7 +225,7 @@ def _write_file(
                 (lt,), _ = describe_state({key: target})
                 reader.load_tensor(tm, lt)
                 if to is not None and entry.nbytes:
-                    converted = cbuf[: entry.nbytes]  # type: ignore[index].view(to).view(tm.shape)
+                    converted = cbuf[: entry.nbytes].view(to).view(tm.shape)  # type: ignore[index]
                     converted.copy_(target)
                     target = converted
                 mv = byte_view(target) if entry.nbytes else memoryview(b"")
