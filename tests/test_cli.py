@@ -355,7 +355,17 @@ def _load_fsdp2_tp(rank, ws, path):
     return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize(("fn", "ws"), [(_load_fsdp2, 2), (_load_tp, 2), (_load_fsdp2_tp, 4)], ids=["fsdp2", "tp", "fsdp2+tp"])
+def _load_ddp(rank, ws, path):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_model())
+    n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
+    return n, {k.removeprefix("module."): v.tolist() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("fn", "ws"), [(_load_fsdp2, 2), (_load_tp, 2), (_load_fsdp2_tp, 4), (_load_ddp, 2)], ids=["fsdp2", "tp", "fsdp2+tp", "ddp"]
+)
 def test_load_hf_into_sharded_models_bit_exact(tmp_path, fn, ws):
     path, sd = _hf_file(tmp_path)
     plain = _model()
@@ -365,10 +375,12 @@ def test_load_hf_into_sharded_models_bit_exact(tmp_path, fn, ws):
         assert torch.equal(v, sd["net." + k])
     results = run_ranks(ws, fn, str(path))
     for n, got in results:
-        assert n < total  # each rank reads its share, not the model
+        assert n < total or fn is _load_ddp  # each rank reads its share, not the model (DDP: replicas read it all)
         for k, v in got.items():
             assert torch.equal(torch.tensor(v), sd["net." + k]), k  # float32 through a Python float: exact
     assert sum(n for n, _ in results) >= total
+    if fn is _load_fsdp2:  # every row split evenly in two: each rank reads exactly its half, no byte more
+        assert [n for n, _ in results] == [total // 2] * 2
 
 
 def test_load_hf_refusals(tmp_path):
