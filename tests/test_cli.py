@@ -394,7 +394,7 @@ def test_load_hf_refusals(tmp_path):
     one = nn.Sequential(nn.Linear(16, 24))
     shardsafe.load_hf_safetensors(path, one, prefix="net.", strict=False)
     assert torch.equal(one[0].weight, sd["net.0.weight"])
-    with pytest.raises(ShapeMismatchError, match=r"key 'model.0.weight': checkpoint has global shape \[24, 16\], target has \[24, 17\]"):
+    with pytest.raises(ShapeMismatchError, match=r"key 'net.0.weight': checkpoint has global shape \[24, 16\], target has \[24, 17\]"):
         shardsafe.load_hf_safetensors(path, nn.Sequential(nn.Linear(17, 24)), prefix="net.", strict=False)
     with pytest.raises(DtypeMismatchError, match="checkpoint has dtype float32, target has bfloat16"):
         shardsafe.load_hf_safetensors(path, _model().to(torch.bfloat16), prefix="net.")
@@ -571,3 +571,19 @@ def test_export_casts_on_both_paths_and_shards_bit_exact(tmp_path, dims, dtype):
     assert got.keys() == full.keys()
     for k, v in full.items():
         assert got[k].dtype == dtype and torch.equal(got[k], v.to(dtype)), k
+
+
+def test_load_hf_damaged_files(tmp_path):
+    path, _ = _hf_file(tmp_path)
+    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
+    raw = files[0].read_bytes()
+    files[0].write_bytes(raw[:-4])  # truncated: its last tensor lacks 4 bytes
+    with pytest.raises(shardsafe.CorruptCheckpointError, match=rf"key 'net\.[0-9.a-z]+': .*{files[0].name}: truncated: needed bytes .* but the file has {len(raw) - 4} bytes \(its chunks in that file end at byte {len(raw)}\)"):
+        shardsafe.load_hf_safetensors(path, _model(), prefix="net.")
+    files[0].write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + raw[24:])
+    with pytest.raises(shardsafe.CorruptCheckpointError, match=rf"{files[0]}: not a valid safetensors file"):
+        shardsafe.load_hf_safetensors(path, _model(), prefix="net.")
+    header = json.dumps({"net.0.bias": {"dtype": "F32", "shape": [24], "data_offsets": [0, 95]}}).encode()
+    files[0].write_bytes(len(header).to_bytes(8, "little") + header + bytes(96))
+    with pytest.raises(shardsafe.CorruptCheckpointError, match=r"tensor 'net.0.bias': data_offsets \[0, 95\] hold 95 bytes, shape \[24\] of torch.float32 needs 96"):
+        shardsafe.load_hf_safetensors(path, _model(), prefix="net.")

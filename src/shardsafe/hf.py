@@ -233,7 +233,7 @@ def load_hf_safetensors(
     not verified: only the header's structure and sizes, and that each file holds the bytes its
     header names.
     """
-    from .api import MODEL_PREFIX, _check_model_keys, _model_values
+    from .api import MODEL_PREFIX, _check_model_keys
     from .checkpointer import _check_targets
 
     check_arg("load_hf_safetensors", "model", model, nn.Module)
@@ -245,12 +245,14 @@ def load_hf_safetensors(
     comm = get_comm(process_group=process_group, call="shardsafe.load_hf_safetensors", timeout_s=knobs.collective_timeout_s)
     hf = open_hf_model(path_or_url, comm)
     pre = prefix or ""
-    stored = {MODEL_PREFIX + k[len(pre) :]: t for k, t in hf.tensors.items() if k.startswith(pre)}
+    stored = {k: t for k, t in hf.tensors.items() if k.startswith(pre)}  # errors name the file's tensors
 
     def run() -> int:
         params, buffers = model_state(model)
-        _check_model_keys(stored, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
-        tensors, _ = describe_state(_model_values(params, buffers), targets=True)
+        as_model = {MODEL_PREFIX + k[len(pre) :]: t for k, t in stored.items()}
+        _check_model_keys(as_model, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
+        values = {pre + i.fqn: i.sharded(pre + i.fqn, i.tensor) for i in [*params, *buffers] if not i.holds_nothing}
+        tensors, _ = describe_state(values, targets=True)
         _check_targets(_Tensors(stored), tensors, [], hf.where)
         check_files_hold(hf.storage, ((t.key, stored[t.key]) for t in tensors))
         with Reader(hf.storage, knobs) as reader:
