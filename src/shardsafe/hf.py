@@ -244,6 +244,7 @@ def load_hf_safetensors(
     started = time.monotonic()
     comm = get_comm(process_group=process_group, call="shardsafe.load_hf_safetensors", timeout_s=knobs.collective_timeout_s)
     hf = open_hf_model(path_or_url, comm)
+    log.debug("load_hf_safetensors %s: %d tensors in %d file(s)", hf.where, len(hf.tensors), len({f for t in hf.tensors.values() for f in t.shard_spec_per_file}))
     pre = prefix or ""
     stored = {k: t for k, t in hf.tensors.items() if k.startswith(pre)}  # errors name the file's tensors
 

@@ -149,6 +149,7 @@ def unshard_to_safetensors(
     with Reader(storage, knobs) as reader:
         for names, output in zip(groups, outputs):
             file_bytes += _write_file(storage, reader, output, {n: tensors[n] for n in names}, entries, cast, file_meta, knobs, counter)
+            log.debug("unshard %s: wrote %s (%d tensors)", storage.url, output.where, len(names))
     if folder is not None:
         folder.finish(groups, outputs, total)
     seconds = time.monotonic() - started
