@@ -304,8 +304,8 @@ def _finish(
             _remove_save_files(storage, save_id, comm.world_size)  # leave nothing of a failed save behind
             raise
         state["meta"] = meta  # committed: from here on the save has succeeded, whatever else fails
-        _sweep(storage, state["listed"], keep=meta.data_files())
         _log_commit(storage.url, meta, comm.world_size, time.monotonic() - state["started"])
+        _sweep(storage, state["listed"], keep=meta.data_files())
         return raw
 
     try:
