@@ -209,7 +209,7 @@ def _unshard_prefix(
         raise MissingKeyError(f"{dir}: {what}: {e}") from None
 
 
-def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool) -> None:
+def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool, flag: str = "validate") -> None:
     stored_model = {k[len(MODEL_PREFIX) :] for k in stored if k.startswith(MODEL_PREFIX)}
     missing = [f for f in fqns if f not in stored_model]
     if missing:
@@ -222,7 +222,7 @@ def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, st
         if extra:
             raise CheckpointError(
                 f"{where}: the checkpoint holds {len(extra)} model key(s) the model lacks: {extra[:5]}"
-                f"{'...' if len(extra) > 5 else ''}; pass validate=False to load the rest"
+                f"{'...' if len(extra) > 5 else ''}; pass {flag}=False to load the rest"
             )
 
 

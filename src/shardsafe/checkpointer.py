@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["Checkpointer"]
+
+log = logging.getLogger(__name__)
 
 
 
@@ -134,15 +138,25 @@ class Checkpointer:
         self._load(storage, state_dict, comm, meta)
 
     def _load(self, storage: Storage, state_dict: dict[str, Any], comm: Comm, meta: StorageMetadata) -> None:
+        started = time.monotonic()
+        nread = [0]
+
         def run() -> dict[str, Any]:
             tensors, objects = describe_state(state_dict, targets=True)
             _check_targets(meta, tensors, list(objects), storage.url)
             values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=self.allow_pickle, where=storage.url)
             with Reader(storage, self.knobs) as reader:
                 reader.load_tensors((meta.tensors[t.key], t) for t in tensors)
+                nread[0] = reader.bytes_read
             return values
 
         state_dict.update(comm.check(run))  # only success or failure travels; the values stay here
+        if comm.is_coordinator:
+            seconds = time.monotonic() - started
+            log.info(
+                "load %s: %d targets, %d bytes read on the coordinator, %.2f s, %.2f GB/s",
+                storage.url, len(state_dict), nread[0], seconds, nread[0] / max(seconds, 1e-9) / 1e9,
+            )
 
     def unshard(
         self,
@@ -197,6 +211,7 @@ class Checkpointer:
                 + (f", such as {stored[:5]}" if stored else "")
             )
         check_files_hold(storage, ((key, meta.tensors[key]) for key in selected.values()))  # before allocating
+        started = time.monotonic()
         with Reader(storage, self.knobs, num_threads=num_threads) as reader:
             for name, key in selected.items():
                 tm = meta.tensors[key]
@@ -204,8 +219,15 @@ class Checkpointer:
                 (target,), _ = describe_state({key: full})
                 reader.load_tensor(tm, target)
                 out[name] = full if device.type == "cpu" else full.to(device)
+            nread = reader.bytes_read
         values = decode_objects(meta.objects, meta.pickled_objects, list(wanted.values()), allow_pickle=self.allow_pickle, where=storage.url)
         out.update((name, values[key]) for name, key in wanted.items())
+        if comm.is_coordinator:
+            seconds = time.monotonic() - started
+            log.info(
+                "unshard %s: %d tensors, %d bytes read, %.2f s, %.2f GB/s",
+                storage.url, len(selected), nread, seconds, nread / max(seconds, 1e-9) / 1e9,
+            )
         return out
 
     def get_metadata(self, dir: Location, no_dist: bool = False, *, process_group: ProcessGroup | None = None) -> StorageMetadata:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, PickleNotAllowedError, UnsafePickleError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, PickleNotAllowedError, UnsafePickleError
 from ..storage import Storage
 from ..storage.base import DCP_METADATA, check_name
 
@@ -175,7 +175,15 @@ def read_dcp_checkpoint(storage: Storage, raw: bytes | None = None) -> DcpCheckp
     """Read and check the DCP checkpoint at ``storage`` (``raw``: the bytes of ``.metadata``, if read already)."""
     where = f"{storage.url.rstrip('/')}/{DCP_METADATA}"
     if raw is None:
-        raw = storage.read(DCP_METADATA)
+        try:
+            raw = storage.read(DCP_METADATA)
+        except FileNotFoundError:
+            listed = storage.list()
+            state = f"it holds {len(listed)} file(s) but" if listed else "it is empty or missing, and"
+            hint = "; it is a shardsafe checkpoint already" if "metadata.json" in listed else ""
+            raise IncompleteCheckpointError(
+                f"{storage.url}: not a torch.distributed.checkpoint checkpoint: {state} has no {DCP_METADATA}{hint}"
+            ) from None
     return check_dcp_metadata(load_dcp_metadata(raw, where=where), where=where)
 
 

@@ -23,15 +23,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import time
 import uuid
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from .._args import check_arg, check_bool
+from .._progress import progress_callback
 from ..adapters import describe_state
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, MissingKeyError, StorageError
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    MissingKeyError,
+    StorageError,
+)
 from ..format.checksum import ChunkSums
 from ..format.dtypes import SAFETENSORS_CODE
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, keys_under
@@ -45,7 +56,7 @@ from .bounds import check_files_hold
 from .buffers import WriteBehind, byte_view
 from .reader import Reader
 
-__all__ = ["unshard_to_safetensors"]
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "shard_file_name", "unshard_to_safetensors"]
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +73,13 @@ def unshard_to_safetensors(
     *,
     prefix: str | None = None,
     overwrite: bool = False,
+    max_shard_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
     knobs: Knobs | None = None,
 ) -> dict[str, int]:
-    """Write every tensor of the checkpoint at ``dir`` into one safetensors file at ``out_path``.
+    """Write every tensor of the checkpoint at ``dir`` into one safetensors file at ``out_path``
+    or, with ``max_shard_size``, into a Hugging Face style folder at ``out_path``.
 
     With ``prefix``, only keys that start with it are written, with the prefix removed
     (``prefix="model."`` turns ``"model.layers.0.weight"`` into ``"layers.0.weight"``).
@@ -72,18 +87,34 @@ def unshard_to_safetensors(
     ``__metadata__`` as JSON strings, under their (stripped) keys, next to ``"format": "pt"``;
     values stored with pickle are never unpickled and are left out (counted in the result).
 
-    Peak memory is four blocks of ``knobs.write_block_bytes`` (64 MiB by default) when every
-    chunk is a run of rows (as FSDP / ``Shard(0)`` saves them); tensors saved in other layouts
-    add the largest of them and ``knobs.read_buffer_bytes`` of scratch. Every chunk is checked
-    against its checksums. The file appears atomically and durably (fsynced
-    temporary file, renamed); an existing ``out_path`` is replaced only with ``overwrite=True``.
-    ``out_path`` may also be an object-store or ``memory://`` URL (``s3://bucket/dir/model.safetensors``,
-    configured by the environment): the object is uploaded as it is written and appears only
-    once complete; without ``overwrite`` an existing object is refused (checked before writing).
-    Needs no process group.
+    ``max_shard_size`` (bytes of tensor data per file): ``out_path`` is a folder, written as
+    ``transformers``' ``save_pretrained`` writes one: ``model.safetensors`` when every tensor fits
+    in one file, else ``model-00001-of-0000N.safetensors`` ... (tensors in name order, a file
+    closed before it would pass the limit; a tensor larger than the limit gets a file of its
+    own) and ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...},
+    "weight_map": {name: file}}``), written last. JSON values go into every file's
+    ``__metadata__``. Files of an earlier export there (the other layout, other shard counts)
+    are removed once the new one is complete, only with ``overwrite=True``.
 
-    Returns counts: ``tensors``, ``bytes`` (tensor data), ``file_bytes`` (the whole file),
-    ``values`` (JSON values written to ``__metadata__``), ``skipped_values`` (pickled values left out).
+    ``dtype``: cast every floating-point tensor to it (``torch.bfloat16``, ...); other tensors
+    are written as stored. Checksums are checked on the stored bytes, before the cast.
+    ``progress``: ``True`` draws a progress bar (tqdm) on stderr; a callable is called as
+    ``progress(done, total)`` with the bytes of tensor data written so far.
+
+    Peak memory is four blocks of ``knobs.write_block_bytes`` (64 MiB by default) when every
+    chunk is a run of rows (as FSDP / ``Shard(0)`` saves them), plus as many cast blocks with
+    ``dtype``; tensors saved in other layouts add the largest of them and
+    ``knobs.read_buffer_bytes`` of scratch. Every chunk is checked against its checksums. Each
+    file appears atomically and durably (fsynced temporary file, renamed); an existing
+    ``out_path`` file (or an existing export in the ``out_path`` folder) is replaced only with
+    ``overwrite=True``. ``out_path`` may also be an object-store or ``memory://`` URL
+    (``s3://bucket/dir/model.safetensors``, configured by the environment): the object is
+    uploaded as it is written and appears only once complete; without ``overwrite`` an
+    existing object is refused (checked before writing). Needs no process group.
+
+    Returns counts: ``tensors``, ``bytes`` (tensor data), ``file_bytes`` (all files written),
+    with ``max_shard_size`` ``files`` (data files written), ``values`` (JSON values written to ``__metadata__``), ``skipped_values``
+    (pickled values left out).
     """
     from ..checkpointer import _read_metadata  # the one metadata reader (incomplete-checkpoint errors)
     from ..dist import get_comm
@@ -91,70 +122,236 @@ def unshard_to_safetensors(
     check_arg("unshard_to_safetensors", "out_path", out_path, (str, os.PathLike))
     check_arg("unshard_to_safetensors", "prefix", prefix, str, optional=True)
     check_bool("unshard_to_safetensors", "overwrite", overwrite)
+    check_arg("unshard_to_safetensors", "max_shard_size", max_shard_size, int, optional=True)
+    check_arg("unshard_to_safetensors", "dtype", dtype, torch.dtype, optional=True)
     check_arg("unshard_to_safetensors", "knobs", knobs, Knobs, optional=True)
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise CheckpointError(f"unshard_to_safetensors: max_shard_size must be a positive number of bytes, got {max_shard_size}")
+    if dtype is not None and dtype not in SAFETENSORS_CODE:
+        raise DtypeMismatchError(f"unshard_to_safetensors: dtype {dtype} cannot be stored in safetensors")
     knobs = knobs or KNOBS
-    output = _Output(os.fspath(out_path), overwrite=overwrite, knobs=knobs)
+    started = time.monotonic()
+    out = os.fspath(out_path)
+    folder = _Folder(out, overwrite=overwrite) if max_shard_size is not None else None
+    single = None if folder is not None else _Output(out, overwrite=overwrite, knobs=knobs)
     storage = open_storage(dir)
     meta = _read_metadata(storage, get_comm(no_dist=True))
     tensors, values, skipped = _select(meta, prefix, storage.url)
     check_files_hold(storage, tensors.values())  # before allocating from their sizes
     file_meta = {FORMAT_TAG[0]: FORMAT_TAG[1], **{k: json.dumps(v, separators=(",", ":")) for k, v in values.items()}}
+    cast = {name: _cast_to(tm.torch_dtype, dtype) for name, (_, tm) in tensors.items()}
+    entries = {name: _entry(name, tm, cast[name]) for name, (_, tm) in tensors.items()}
+    groups = [sorted(tensors)] if folder is None else _shards(sorted(tensors), entries, max_shard_size)  # type: ignore[arg-type]
+    total = sum(e.nbytes for e in entries.values())
+    counter = _Progress(progress_callback(progress, "unshard_to_safetensors"), total)
+    outputs = [single] if folder is None else folder.outputs(len(groups), knobs)  # type: ignore[list-item]
+    file_bytes = 0
+    with Reader(storage, knobs) as reader:
+        for names, output in zip(groups, outputs):
+            file_bytes += _write_file(storage, reader, output, {n: tensors[n] for n in names}, entries, cast, file_meta, knobs, counter)
+            log.debug("unshard %s: wrote %s (%d tensors)", storage.url, output.where, len(names))
+    if folder is not None:
+        folder.finish(groups, outputs, total)
+    seconds = time.monotonic() - started
+    log.info(
+        "unshard %s -> %s: %d tensors, %d bytes in %d file(s), %.2f s, %.2f GB/s",
+        storage.url, out, len(entries), total, len(outputs), seconds, total / max(seconds, 1e-9) / 1e9,
+    )
+    counts = {"tensors": len(entries), "bytes": total, "file_bytes": file_bytes, "values": len(values), "skipped_values": skipped}
+    if folder is not None:
+        counts["files"] = len(outputs)
+    return counts
 
+
+def _write_file(
+    storage: Any,
+    reader: Reader,
+    output: _Output,
+    tensors: dict[str, tuple[str, TensorStorageMetadata]],
+    all_entries: dict[str, FileEntry],
+    cast: dict[str, torch.dtype | None],
+    file_meta: dict[str, str],
+    knobs: Knobs,
+    counter: _Progress,
+) -> int:
+    """Stream ``tensors`` (output name -> (stored key, metadata)) into the one file ``output``;
+    returns its size. On any error the partial file is discarded."""
     # the official writer's order: larger itemsize first, then by name, so that every tensor
     # starts at a multiple of its itemsize (the header is padded to 8)
-    order = sorted(tensors, key=lambda name: (-tensors[name][1].torch_dtype.itemsize, name))
-    entries = [_entry(name, tensors[name][1]) for name in order]
+    order = sorted(tensors, key=lambda name: (-_out_dtype(tensors[name][1], cast[name]).itemsize, name))
+    entries = [all_entries[name] for name in order]
     layout = layout_file(entries, file_meta)
     directs = {name: _direct_runs(tensors[name][1]) for name in order}
-    largest_other = max((e.nbytes for name, e in zip(order, entries) if directs[name] is None), default=0)
+    largest_other = max((tensors[name][1].torch_dtype.itemsize * _numel(tensors[name][1]) for name in order if directs[name] is None), default=0)
+    largest_cast = max((e.nbytes for name, e in zip(order, entries) if directs[name] is None and cast[name] is not None), default=0)
     block = min(max(knobs.write_block_bytes, 1 << 16), max((r[2] for rs in directs.values() if rs for r in rs), default=0))
+    # a cast block holds a block's elements in the output dtype: at most this many bytes
+    ratio = max((cast[n].itemsize / tensors[n][1].torch_dtype.itemsize for n in order if cast[n] is not None and directs[n]), default=0)  # type: ignore[union-attr]
 
     done = False
     try:
         with output.writer() as w, WriteBehind(w, depth=_RING - 2) as behind:
             behind.write(memoryview(layout.header))
             ring = [torch.empty(block, dtype=torch.uint8) for _ in range(_RING if block else 0)]
+            cring = [torch.empty(int(block * ratio) + 8, dtype=torch.uint8) for _ in range(_RING if block and ratio else 0)]
             slot = 0
             buf = torch.empty(largest_other, dtype=torch.uint8)  # reused for every tensor not copied directly
-            with Reader(storage, knobs) as reader:
-                for name, entry in zip(order, entries):
-                    key, tm = tensors[name]
-                    runs = directs[name]
-                    if runs is not None:
-                        for file, start, nbytes, sums in runs:
-                            check = sums.stream()
-                            try:
-                                for pos in range(0, nbytes, block):
-                                    view = byte_view(ring[slot][: min(block, nbytes - pos)])
-                                    slot = (slot + 1) % _RING
-                                    storage.read_into(file, start + pos, [view])
-                                    check.update(view)  # before the bytes are handed on
-                                    behind.write(view)
-                                check.finish()
-                            except CorruptCheckpointError as e:
-                                raise CorruptCheckpointError(f"key {key!r}: {e}") from None
-                        continue
-                    behind.flush()  # the buffer's last tensor is written: reuse it
-                    target = buf[: entry.nbytes].view(tm.torch_dtype).view(tm.shape)
-                    (lt,), _ = describe_state({key: target})
-                    reader.load_tensor(tm, lt)
-                    mv = byte_view(target) if entry.nbytes else memoryview(b"")
-                    step = max(block, 1 << 24)
-                    for pos in range(0, mv.nbytes, step):
-                        behind.write(mv[pos : pos + step])
+            cbuf = torch.empty(largest_cast, dtype=torch.uint8) if largest_cast else None  # the cast of such a tensor
+            for name, entry in zip(order, entries):
+                key, tm = tensors[name]
+                runs = directs[name]
+                to = cast[name]
+                if runs is not None:
+                    for file, start, nbytes, sums in runs:
+                        check = sums.stream()
+                        try:
+                            for pos in range(0, nbytes, block):
+                                view = byte_view(ring[slot][: min(block, nbytes - pos)])
+                                storage.read_into(file, start + pos, [view])
+                                check.update(view)  # before the bytes are handed on
+                                if to is not None:
+                                    src = ring[slot][: view.nbytes].view(tm.torch_dtype)
+                                    dst = cring[slot][: src.numel() * to.itemsize].view(to)
+                                    dst.copy_(src)
+                                    view = byte_view(dst)
+                                slot = (slot + 1) % _RING
+                                behind.write(view)
+                                counter.add(view.nbytes)
+                            check.finish()
+                        except CorruptCheckpointError as e:
+                            raise CorruptCheckpointError(f"key {key!r}: {e}") from None
+                    continue
+                behind.flush()  # the buffer's last tensor is written: reuse it
+                target = buf[: _numel(tm) * tm.torch_dtype.itemsize].view(tm.torch_dtype).view(tm.shape)
+                (lt,), _ = describe_state({key: target})
+                reader.load_tensor(tm, lt)
+                if to is not None and entry.nbytes:
+                    converted = cbuf[: entry.nbytes].view(to).view(tm.shape)  # type: ignore[index]
+                    converted.copy_(target)
+                    target = converted
+                mv = byte_view(target) if entry.nbytes else memoryview(b"")
+                step = max(block, 1 << 24)
+                for pos in range(0, mv.nbytes, step):
+                    behind.write(mv[pos : pos + step])
+                counter.add(mv.nbytes)
         output.publish()
         done = True
     finally:
         if not done:
             output.discard()
-    nbytes = sum(e.nbytes for e in entries)
-    return {
-        "tensors": len(entries),
-        "bytes": nbytes,
-        "file_bytes": layout.size,
-        "values": len(values),
-        "skipped_values": skipped,
-    }
+    return layout.size
+
+
+def _numel(tm: TensorStorageMetadata) -> int:
+    numel = 1
+    for n in tm.shape:
+        numel *= n
+    return numel
+
+
+def _cast_to(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a tensor stored as ``stored`` is cast to on export, or None to copy it as is."""
+    if dtype is None or dtype == stored or not stored.is_floating_point:
+        return None
+    return dtype
+
+
+def _out_dtype(tm: TensorStorageMetadata, cast: torch.dtype | None) -> torch.dtype:
+    return cast if cast is not None else tm.torch_dtype
+
+
+def _shards(names: list[str], entries: dict[str, FileEntry], limit: int) -> list[list[str]]:
+    """Names (sorted) split into files of at most ``limit`` bytes each, in order, as
+    ``transformers`` splits a state dict; a tensor larger than the limit gets a file of its own."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = entries[name].nbytes
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    return groups
+
+
+class _Progress:
+    def __init__(self, fn: Callable[[int, int], None] | None, total: int) -> None:
+        self.fn, self.total, self.done = fn, total, 0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.fn is not None:
+            self.fn(self.done, self.total)
+
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def shard_file_name(i: int, n: int) -> str:
+    """The name ``transformers`` gives shard ``i`` (from 0) of ``n``."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+class _Folder:
+    """A Hugging Face style output folder: local or an object-store prefix."""
+
+    def __init__(self, out: str, *, overwrite: bool) -> None:
+        self.out, self.overwrite = out.rstrip("/") or out, overwrite
+        scheme = url_scheme(out)
+        if scheme not in (None, "file"):
+            self.store = open_storage(self.out)
+            self.where = self.store.url.rstrip("/")
+            existing = self.store.list()
+        else:
+            self.where = os.path.abspath(out[len("file://") :] if scheme == "file" else check_local_path(out))
+            if os.path.exists(self.where) and not os.path.isdir(self.where):
+                raise CheckpointExistsError(f"{self.where}: a file is there; a sharded export writes a folder (name one that is not a file)")
+            self.store = None
+            existing = os.listdir(self.where) if os.path.isdir(self.where) else []
+        self.existing = [f for f in existing if f in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.match(f)]
+        if self.existing and not overwrite:
+            raise CheckpointExistsError(
+                f"{self.where}: an export is already there ({sorted(self.existing)[0]}); pass overwrite=True to replace it"
+            )
+
+    def _path(self, name: str) -> str:
+        return f"{self.out}/{name}" if self.store is not None else os.path.join(self.where, name)
+
+    def outputs(self, n: int, knobs: Knobs) -> list[_Output]:
+        names = [SINGLE_FILE] if n == 1 else [shard_file_name(i, n) for i in range(n)]
+        return [_Output(self._path(name), overwrite=self.overwrite, knobs=knobs) for name in names]
+
+    def finish(self, groups: list[list[str]], outputs: list[_Output], total: int) -> None:
+        """Write the index (sharded exports), last; then remove what an earlier export left."""
+        written = {os.path.basename(o.where) for o in outputs}
+        if len(outputs) > 1:
+            weight_map = {name: os.path.basename(o.where) for names, o in zip(groups, outputs) for name in names}
+            doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            raw = (json.dumps(doc, indent=2) + "\n").encode()
+            index = _Output(self._path(INDEX_FILE), overwrite=True, knobs=KNOBS)
+            done = False
+            try:
+                with index.writer() as w:
+                    w.write(memoryview(raw))
+                index.publish()
+                done = True
+            finally:
+                if not done:
+                    index.discard()
+            written.add(INDEX_FILE)
+        for name in self.existing:
+            if name in written:
+                continue
+            try:
+                if self.store is not None:
+                    self.store.delete(name)
+                else:
+                    os.unlink(os.path.join(self.where, name))
+            except (OSError, StorageError) as e:
+                log.warning("%s: could not remove %s of an earlier export: %s", self.where, name, e)
 
 
 def _select(
@@ -203,12 +400,9 @@ def _direct_runs(tm: TensorStorageMetadata) -> list[tuple[str, int, int, ChunkSu
     return [r for _, r in runs]
 
 
-def _entry(name: str, tm: TensorStorageMetadata) -> FileEntry:
-    dtype = tm.torch_dtype
-    numel = 1
-    for n in tm.shape:
-        numel *= n
-    return FileEntry(name, SAFETENSORS_CODE[dtype], tuple(tm.shape), numel * dtype.itemsize)
+def _entry(name: str, tm: TensorStorageMetadata, cast: torch.dtype | None = None) -> FileEntry:
+    dtype = _out_dtype(tm, cast)
+    return FileEntry(name, SAFETENSORS_CODE[dtype], tuple(tm.shape), _numel(tm) * dtype.itemsize)
 
 
 class _Output:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -219,7 +220,7 @@ def _prepare(
         descs = None if same else mine_desc["descs"]
         return _RankDescription(descs, mine_desc["digest"], cached.rank_plan_id, mine_desc["objects"], storage.url)
 
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {"started": time.monotonic()}
 
     def plan(gathered: list[_RankDescription]) -> list[tuple[RankWritePlan | None, str, str] | None]:
         """Each rank's plan part, the save id and the plan's id; ``None`` as the part: reuse
@@ -311,6 +312,7 @@ def _finish(
             _remove_save_files(storage, save_id, comm.world_size)  # leave nothing of a failed save behind
             raise
         state["meta"] = meta  # committed: from here on the save has succeeded, whatever else fails
+        _log_commit(storage.url, meta, comm.world_size, time.monotonic() - state["started"])
         _sweep(storage, state["listed"], keep=meta.data_files())
         return raw if want_meta else b""
 
@@ -335,6 +337,15 @@ def _finish(
         meta = StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}")
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
     return meta, files
+
+
+def _log_commit(url: str, meta: StorageMetadata, ranks: int, seconds: float) -> None:
+    nbytes = sum(f.size for f in (meta.files or {}).values())
+    log.info(
+        "save %s: %d tensors, %d values, %d bytes from %d rank(s), %.2f s, %.2f GB/s",
+        url, len(meta.tensors), len(meta.objects) + len(meta.pickled_objects), nbytes, ranks, seconds, nbytes / max(seconds, 1e-9) / 1e9,
+    )
+    log.debug("save %s: files %s", url, sorted(meta.data_files()))
 
 
 class _CommitUnknownError(StorageError):

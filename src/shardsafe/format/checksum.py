@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 DEFAULT_ALGORITHM = "xxh3-64"
+UNCHECKED = "none"
+"""The algorithm of :meth:`ChunkSums.unchecked`: bytes that carry no digests (not in ``ALGORITHMS``,
+so no ``metadata.json`` can claim it)."""
 
 
 def crc32c(data, value: int = 0) -> int:
@@ -118,6 +121,12 @@ class ChunkSums:
         return cls(algorithm, block_bytes, nbytes, digests, where)
 
     @classmethod
+    def unchecked(cls, *, nbytes: int, where: str) -> ChunkSums:
+        """No digests, for bytes stored without any (a Hugging Face safetensors file): any
+        read is exact (blocks of one byte) and every check passes. Never in ``metadata.json``."""
+        return cls(UNCHECKED, 1, nbytes, (), where)
+
+    @classmethod
     def whole(cls, value: int, *, algorithm: str, nbytes: int, where: str) -> ChunkSums:
         """One digest over the whole chunk (format v1)."""
         return cls(algorithm, max(nbytes, 1), nbytes, (value,), where)
@@ -139,6 +148,8 @@ class ChunkSums:
 
         Raises ``CorruptCheckpointError`` naming the chunk, the block and both digests.
         """
+        if self.algorithm == UNCHECKED:
+            return
         view = memoryview(data).cast("B")
         b = self.block_bytes
         fn = ALGORITHMS[self.algorithm].digest
@@ -167,12 +178,17 @@ class StreamVerifier:
 
     def __init__(self, sums: ChunkSums) -> None:
         self._sums = sums
-        self._alg = ALGORITHMS[sums.algorithm]
+        self._alg = ALGORITHMS.get(sums.algorithm, ALGORITHMS["crc32c"])  # unused when UNCHECKED
         self._pos = 0
         self._state = None  # running digest of a block fed in several pieces
 
     def update(self, data) -> None:
         view = memoryview(data).cast("B")
+        if self._sums.algorithm == UNCHECKED:
+            if self._pos + view.nbytes > self._sums.nbytes:
+                raise CorruptCheckpointError(f"{self._sums.where}: more bytes than the chunk's {self._sums.nbytes}")
+            self._pos += view.nbytes
+            return
         b = self._sums.block_bytes
         while view.nbytes:
             in_block = self._pos % b

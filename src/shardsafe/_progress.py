@@ -1,0 +1,38 @@
+"""Progress of long calls: ``progress=True`` draws a tqdm bar on stderr; a callable is called
+with ``(bytes done, bytes in all)``; ``None`` / ``False`` shows nothing."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+Progress = Callable[[int, int], None]
+
+
+def progress_callback(progress: bool | Progress | None, what: str) -> Progress | None:
+    """The callback for a public ``progress`` argument (see the module docstring)."""
+    if progress is None or progress is False:
+        return None
+    if callable(progress):
+        return progress
+    if progress is not True:
+        raise TypeError(f"{what}: argument 'progress' must be a bool, a callable or None, got {type(progress).__name__}")
+    return tqdm_bar(what)
+
+
+def tqdm_bar(what: str) -> Progress:
+    """A callback drawing a bytes bar (throughput, ETA) on stderr; closed once done reaches the total."""
+    from tqdm import tqdm
+
+    state: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        bar = state.get("bar")
+        if bar is None:
+            bar = state["bar"] = tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update

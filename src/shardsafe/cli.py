@@ -1,0 +1,395 @@
+"""The ``shardsafe`` command line: look at, check, compare and convert checkpoints from a shell.
+
+Thin over the library. Exit status: 0 when all is well, 1 when ``verify`` finds damage or
+``diff`` finds differences, 2 on an error (the message is printed, no traceback: ``--debug``
+for one). ``--json`` prints one JSON document on stdout; ``--quiet`` prints nothing but errors.
+Progress bars (tqdm) go to stderr, only when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FOUND, EXIT_ERROR = 0, 1, 2
+
+_DTYPES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16", "float16": "float16", "half": "float16",
+    "fp32": "float32", "f32": "float32", "float32": "float32", "float": "float32", "fp64": "float64", "float64": "float64",
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000 (KB, MB, GB, TB are powers of 10 as in ``transformers``; KiB,
+    MiB, GiB, TiB powers of 2; a bare number is bytes)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 5GB, 500MB, 2GiB, 1000000)")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return n
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"  # not reached
+
+
+class _Out:
+    """Where a command's results go: text lines, or one JSON document, or nothing."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.json, self.quiet = args.json, args.quiet
+
+    def line(self, text: str = "") -> None:
+        if not self.json and not self.quiet:
+            print(text)
+
+    def doc(self, value: Any) -> None:
+        if self.json:
+            print(json.dumps(value, indent=2, sort_keys=False))
+
+    def progress(self, what: str) -> Callable[[int, int], None] | None:
+        """A progress callback drawing a bar on stderr, or None when stderr is not a terminal."""
+        if self.quiet or self.json or not sys.stderr.isatty():
+            return None
+        from ._progress import tqdm_bar
+
+        return tqdm_bar(what)
+
+
+def _table(rows: list[list[str]], head: list[str]) -> list[str]:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return [fmt(head), *(fmt(r) for r in rows)]
+
+
+def _meta(location: str):
+    from .checkpointer import Checkpointer
+
+    return Checkpointer().get_metadata(location, no_dist=True)
+
+
+def _tensor_bytes(t) -> int:
+    return math.prod(t.shape) * t.torch_dtype.itemsize
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
+    meta = _meta(args.dir)
+    tensors = {
+        key: {
+            "shape": list(t.shape),
+            "dtype": t.dtype,
+            "bytes": _tensor_bytes(t),
+            "chunks": sum(1 for _ in t.chunks()),
+            "sharded": t.is_sharded,
+        }
+        for key, t in sorted(meta.tensors.items())
+    }
+    files = {name: info.size for name, info in sorted(meta.files.items())} if meta.files is not None else {f: None for f in sorted(meta.data_files())}
+    total = sum(v for v in files.values() if v is not None) if meta.files is not None else sum(t["bytes"] for t in tensors.values())
+    doc = {
+        "location": args.dir,
+        "format_version": meta.format_version,
+        "total_bytes": total,
+        "files": files,
+        "tensors": tensors,
+        "values": dict(sorted(meta.objects.items())),
+        "pickled_values": sorted(meta.pickled_objects),
+    }
+    out.doc(doc)
+    out.line(f"checkpoint      {args.dir}")
+    out.line(f"format version  {meta.format_version}")
+    out.line(f"size            {_human(total)} ({total} bytes) in {len(files)} data file(s)")
+    out.line(f"tensors         {len(tensors)} ({_human(sum(t['bytes'] for t in tensors.values()))})")
+    out.line(f"values          {len(meta.objects)} JSON, {len(meta.pickled_objects)} pickled")
+    if tensors:
+        out.line()
+        rows = [
+            [k, str(t["shape"]), t["dtype"], str(t["bytes"]), str(t["chunks"]), "yes" if t["sharded"] else "no"]
+            for k, t in tensors.items()
+        ]
+        for ln in _table(rows, ["key", "shape", "dtype", "bytes", "chunks", "sharded"]):
+            out.line(ln)
+    if meta.objects or meta.pickled_objects:
+        out.line()
+        rows = [[k, _brief(v)] for k, v in sorted(meta.objects.items())]
+        rows += [[k, "<pickled>"] for k in sorted(meta.pickled_objects)]
+        for ln in _table(rows, ["value", "content"]):
+            out.line(ln)
+    return EXIT_OK
+
+
+def _brief(v: Any, width: int = 60) -> str:
+    text = json.dumps(v, separators=(",", ":"))
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# ---------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
+    from .verify import verify
+
+    report = verify(args.dir, collect_all=args.all, threads=args.threads, progress=out.progress("verify"))
+    out.doc({"location": args.dir, "ok": report.ok, "files": report.files, "chunks": report.chunks, "bytes": report.bytes, "errors": report.errors})
+    for e in report.errors:
+        out.line(f"BAD  {e}")
+    status = "OK" if report.ok else f"FAILED: {len(report.errors)} problem(s)"
+    out.line(f"{status}: {report.files} file(s), {report.chunks} chunk(s), {report.bytes} bytes checked")
+    return EXIT_OK if report.ok else EXIT_FOUND
+
+
+# ---------------------------------------------------------------- diff
+
+
+def cmd_diff(args: argparse.Namespace, out: _Out) -> int:
+    a, b = _meta(args.a), _meta(args.b)
+    only_a = sorted(set(a.tensors) - set(b.tensors))
+    only_b = sorted(set(b.tensors) - set(a.tensors))
+    common = sorted(set(a.tensors) & set(b.tensors))
+    shape = {k: [list(a.tensors[k].shape), list(b.tensors[k].shape)] for k in common if a.tensors[k].shape != b.tensors[k].shape}
+    dtype = {k: [a.tensors[k].dtype, b.tensors[k].dtype] for k in common if a.tensors[k].dtype != b.tensors[k].dtype}
+    va, vb = {**a.objects, **a.pickled_objects}, {**b.objects, **b.pickled_objects}
+    values = {
+        k: [va.get(k), vb.get(k)]
+        for k in sorted(set(va) | set(vb))
+        if k not in va or k not in vb or va[k] != vb[k] or (k in a.pickled_objects) != (k in b.pickled_objects)
+    }
+    maxdiff: dict[str, float | None] = {}
+    if args.values:
+        maxdiff = _max_diffs(args.a, args.b, a, b, [k for k in common if k not in shape], out.progress("diff"))
+    over = {k: d for k, d in maxdiff.items() if d is None or d > args.atol}
+    differs = bool(only_a or only_b or shape or dtype or values or over)
+    out.doc({
+        "a": args.a, "b": args.b, "same": not differs, "only_in_a": only_a, "only_in_b": only_b,
+        "shape_changed": shape, "dtype_changed": dtype, "values_changed": values,
+        "max_abs_diff": maxdiff if args.values else None, "atol": args.atol,
+    })
+    for k in only_a:
+        out.line(f"only in A      {k}  {list(a.tensors[k].shape)} {a.tensors[k].dtype}")
+    for k in only_b:
+        out.line(f"only in B      {k}  {list(b.tensors[k].shape)} {b.tensors[k].dtype}")
+    for k, (x, y) in shape.items():
+        out.line(f"shape          {k}  {x} -> {y}")
+    for k, (x, y) in dtype.items():
+        out.line(f"dtype          {k}  {x} -> {y}")
+    for k, (x, y) in values.items():
+        fx = "(absent)" if k not in va else _brief(x, 30)
+        fy = "(absent)" if k not in vb else _brief(y, 30)
+        out.line(f"value          {k}  {fx} -> {fy}")
+    for k, d in maxdiff.items():
+        if k in over:
+            out.line(f"max |A-B|      {k}  {'NaN on one side' if d is None else f'{d:.6g}'}")
+    if differs:
+        out.line(f"A and B differ ({len(common)} common tensors" + (f", values compared with atol {args.atol:g})" if args.values else ")"))
+    else:
+        tail = f"tensor values equal within atol {args.atol:g}" if args.values else "tensor values not compared: pass --values"
+        out.line(f"no differences in keys, shapes, dtypes and values ({len(common)} tensors; {tail})")
+    return EXIT_FOUND if differs else EXIT_OK
+
+
+def _max_diffs(loc_a: str, loc_b: str, a, b, keys: list[str], progress) -> dict[str, float | None]:
+    """Per key, max |A - B| (in float64), one tensor of each at a time; None where an element
+    is NaN on one side only."""
+    import torch
+
+    from .adapters import describe_state
+    from .engine.reader import Reader
+    from .knobs import KNOBS
+    from .storage import open_storage
+
+    total = sum(_tensor_bytes(a.tensors[k]) + _tensor_bytes(b.tensors[k]) for k in keys)
+    done = 0
+    out: dict[str, float | None] = {}
+    with Reader(open_storage(loc_a), KNOBS) as ra, Reader(open_storage(loc_b), KNOBS) as rb:
+        for k in keys:
+            pair = []
+            for reader, meta in ((ra, a), (rb, b)):
+                tm = meta.tensors[k]
+                full = torch.empty(tm.shape, dtype=tm.torch_dtype)
+                (target,), _ = describe_state({k: full})
+                reader.load_tensor(tm, target)
+                pair.append(full)
+            x, y = pair
+            wide = torch.complex128 if x.is_complex() or y.is_complex() else torch.float64
+            xw, yw = x.to(wide), y.to(wide)
+            d = (xw - yw).abs().masked_fill(xw.isnan() & yw.isnan(), 0.0)  # NaN on both sides is equal
+            m = float(d.max()) if d.numel() else 0.0
+            out[k] = None if math.isnan(m) else m  # None: NaN on one side only
+            del x, y, xw, yw, d, pair
+            done += _tensor_bytes(a.tensors[k]) + _tensor_bytes(b.tensors[k])
+            if progress is not None:
+                progress(done, total)
+    return out
+
+
+# ---------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace, out: _Out) -> int:
+    import torch
+
+    from .engine.consolidate import unshard_to_safetensors
+
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    counts = unshard_to_safetensors(
+        args.dir, args.out, prefix=args.prefix, overwrite=args.overwrite, max_shard_size=args.max_shard_size, dtype=dtype,
+        progress=out.progress("export"),
+    )
+    out.doc({"dir": args.dir, "out": args.out, **counts})
+    files = counts.get("files", 1)
+    out.line(
+        f"exported {counts['tensors']} tensors ({_human(counts['bytes'])}) to {args.out}"
+        + (f" in {files} files + index" if files > 1 else "")
+        + (f"; {counts['skipped_values']} pickled value(s) left out" if counts["skipped_values"] else "")
+    )
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- convert
+
+
+def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
+    from .convert import convert_hf, convert_torch
+
+    progress = out.progress("convert")
+    if args.source == "dcp":
+        from .dcp import convert
+
+        meta = convert(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress or False)
+        counts = {"tensors": len(meta.tensors), "values": len(meta.objects) + len(meta.pickled_objects)}
+    elif args.source == "torch":
+        counts = convert_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle)
+    else:
+        counts = convert_hf(args.src, args.dst, overwrite=args.overwrite)
+    out.doc({"src": args.src, "dst": args.dst, "from": args.source, **counts})
+    out.line(f"converted {counts['tensors']} tensors and {counts['values']} values from {args.source} {args.src} to {args.dst}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    def options(default: bool | str) -> argparse.ArgumentParser:
+        # before or after the command; a subcommand's parser must not reset what was given before it
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--json", action="store_true", default=default, help="print one JSON document on stdout")
+        parser.add_argument("--quiet", "-q", action="store_true", default=default, help="print nothing but errors (the exit status tells)")
+        parser.add_argument("--debug", action="store_true", default=default, help="show a traceback on error, and debug logging")
+        return parser
+
+    common = options(argparse.SUPPRESS)
+    p = argparse.ArgumentParser(
+        prog="shardsafe",
+        description="Inspect, verify, compare, export and convert shardsafe checkpoints. Exit status: 0 ok, "
+        "1 damage (verify) or differences (diff) found, 2 error.",
+        parents=[options(False)],
+    )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"shardsafe {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("inspect", parents=[common], help="what a checkpoint holds", description="Format version, size, files, "
+                       "every tensor (key, global shape, dtype, bytes, chunks, sharded) and every non-tensor value.")
+    s.add_argument("dir", help="checkpoint directory or URL")
+    s.set_defaults(run=cmd_inspect)
+
+    s = sub.add_parser("verify", parents=[common], help="read every byte and check every checksum",
+                       description="Read every chunk and check it against its checksums; exit 0 only when all is well.")
+    s.add_argument("dir", help="checkpoint directory or URL")
+    s.add_argument("--all", action="store_true", help="list every bad chunk instead of stopping at the first")
+    s.add_argument("--threads", type=_positive, default=1, metavar="N", help="data files checked at once (default 1)")
+    s.set_defaults(run=cmd_verify)
+
+    s = sub.add_parser("diff", parents=[common], help="compare two checkpoints",
+                       description="Keys only in A or B, shape and dtype changes, changed non-tensor values; with "
+                       "--values the max abs difference of every common tensor, read one tensor at a time. Exit 1 when they differ.")
+    s.add_argument("a", help="checkpoint A")
+    s.add_argument("b", help="checkpoint B")
+    s.add_argument("--values", action="store_true", help="compare tensor contents too")
+    s.add_argument("--atol", type=float, default=0.0, metavar="X", help="with --values: differences up to X are equal (default 0)")
+    s.set_defaults(run=cmd_diff)
+
+    s = sub.add_parser("export", parents=[common], help="to safetensors (one file, or a Hugging Face sharded folder)",
+                       description="Unshard into one safetensors file OUT, or with --max-shard-size into the folder OUT as "
+                       "save_pretrained writes one (model.safetensors, or model-0000i-of-0000N.safetensors + "
+                       "model.safetensors.index.json). Streamed; every chunk checked.")
+    s.add_argument("dir", help="checkpoint directory or URL")
+    s.add_argument("out", help="output file (or folder with --max-shard-size); a path or URL")
+    s.add_argument("--prefix", help="only keys starting with it, written without it (e.g. model.)")
+    s.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="write a sharded folder, files of at most SIZE (5GB, 500MB, 2GiB)")
+    s.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating-point tensors to this dtype")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    s.set_defaults(run=cmd_export)
+
+    s = sub.add_parser("convert", parents=[common], help="into a shardsafe checkpoint",
+                       description="Convert a torch.distributed.checkpoint folder (dcp), a torch.save file (torch, read "
+                       "with weights_only=True) or a Hugging Face safetensors file or folder (hf) into a shardsafe checkpoint.")
+    s.add_argument("src", help="what to convert")
+    s.add_argument("dst", help="the new checkpoint's directory or URL")
+    s.add_argument("--from", dest="source", required=True, choices=["dcp", "torch", "hf"], help="the kind of SRC")
+    s.add_argument("--overwrite", action="store_true", help="replace a checkpoint committed at DST")
+    s.add_argument("--allow-pickle", action="store_true", help="store values JSON cannot hold with pickle (trusted sources only)")
+    s.set_defaults(run=cmd_convert)
+    return p
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return n
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    from .errors import CheckpointError
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
+    out = _Out(args)
+    try:
+        return args.run(args, out)
+    except CheckpointError as e:
+        if args.debug:
+            raise
+        print(f"shardsafe {args.command}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"shardsafe {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug, or an error we do not name yet: say what, briefly
+        if args.debug:
+            raise
+        print(f"shardsafe {args.command}: error: {type(e).__name__}: {e} (run with --debug for a traceback)", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def entry_point() -> None:  # the console script
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry_point()
+
