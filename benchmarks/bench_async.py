@@ -83,7 +83,6 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -283,13 +282,6 @@ class Methods:
                 child.join()
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: Config, out) -> None:
-    try:
-        out.put((rank, True, _run_rank(rank, world, port, cfg)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        out.put((rank, False, traceback.format_exc()))
-
-
 def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
     import torch
     import torch.distributed as dist
@@ -399,7 +391,7 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
 
 def run_world(cfg: Config, world: int, timeout: float = 3600.0) -> list[dict]:
     """Every method at one world size; returns every rank's records."""
-    return run_ranks_collect(_rank_main, world, cfg, timeout=timeout, daemon=False, join_s=60)
+    return run_ranks_collect(_run_rank, world, cfg, timeout=timeout, daemon=False, join_s=60)
 
 
 # ---------------------------------------------------------------- summary

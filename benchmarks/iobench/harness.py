@@ -188,9 +188,10 @@ def _log(cfg: Config, msg: str) -> None:
 # ---------------------------------------------------------------- one rank of a phase
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: Config, out) -> None:
+def _rank_entry(run_rank, rank: int, world: int, port: int, cfg: Any, out) -> None:
+    """A rank process: ``run_rank(rank, world, port, cfg)``'s records, or its traceback, onto ``out``."""
     try:
-        out.put((rank, True, _run_rank(rank, world, port, cfg)))
+        out.put((rank, True, run_rank(rank, world, port, cfg)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         out.put((rank, False, traceback.format_exc()))
 
@@ -296,17 +297,17 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
 
 def run_phase(cfg: Config, world: int, timeout: float = 3600.0) -> list[dict]:
     """Every operation of one world size; returns one merged record per (case, op, method, rep)."""
-    return merge_ranks(run_ranks_collect(_rank_main, world, cfg, timeout=timeout, daemon=True, join_s=30))
+    return merge_ranks(run_ranks_collect(_run_rank, world, cfg, timeout=timeout, daemon=True, join_s=30))
 
 
 def run_ranks_collect(
-    target, world: int, cfg: Any, *, timeout: float = 3600.0, daemon: bool = True, join_s: float = 30
+    run_rank, world: int, cfg: Any, *, timeout: float = 3600.0, daemon: bool = True, join_s: float = 30
 ) -> list[dict]:
-    """Run ``target(rank, world, port, cfg, out)`` in one spawned process per rank (gloo on a free
-    port); each puts ``(rank, ok, records or traceback)`` on ``out``. Returns every rank's records."""
+    """Run ``run_rank(rank, world, port, cfg) -> records`` (a module-level function) in one spawned
+    process per rank (gloo on a free port). Returns every rank's records."""
     out = _CTX.Queue()
     port = free_port()
-    procs = [_CTX.Process(target=target, args=(r, world, port, cfg, out), daemon=daemon) for r in range(world)]
+    procs = [_CTX.Process(target=_rank_entry, args=(run_rank, r, world, port, cfg, out), daemon=daemon) for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, list[dict]] = {}
