@@ -203,18 +203,25 @@ def stage_pieces(tensors: list[Any], ring: StagingRing) -> list[Any]:
     with views on the copies (contiguous, in host memory). Host copies go through one
     ``_foreach_copy_`` (one dispatch, not one per piece)."""
     buf = ring.buf
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype (its size is a multiple of 64)
     pos = 0
     out, dsts, srcs, cuda = [], [], [], []
     for t in tensors:
         views = []
         for v in t.views:
-            nbytes = v.numel() * v.element_size()
-            if nbytes == 0:
+            numel = v.numel()
+            if numel == 0:
                 views.append(torch.empty(v.shape, dtype=v.dtype))
                 continue
+            size = v.element_size()
+            nbytes = numel * size
             if pos + nbytes > ring.capacity:
                 raise ValueError(f"{nbytes} bytes do not fit what is left of the {ring.capacity}-byte staging buffer")
-            dst = buf[pos : pos + nbytes].view(v.dtype).view(v.shape)
+            whole = typed.get(v.dtype)
+            if whole is None:
+                whole = typed[v.dtype] = buf.view(v.dtype)
+            start = pos // size  # pos is a multiple of 64: of every element size
+            dst = whole[start : start + numel].view(v.shape)
             pos += -(-nbytes // _ALIGN) * _ALIGN
             if v.device.type == "cuda":
                 cuda.append((dst, v))

@@ -84,8 +84,11 @@ def async_save_state(
     side = background_comm(comm, timeout_s=knobs.collective_timeout_s)
     with paused_gc():
         tensors, objects = describe_state(state_dict)
-    total = sum(_aligned(v.numel() * v.element_size()) for t in tensors for v in t.views)
-    pinned = any(v.device.type == "cuda" for t in tensors for v in t.views)
+    total, pinned = 0, False
+    for t in tensors:
+        for v in t.views:
+            total += -(-(v.numel() * v.element_size()) // 64) * 64
+            pinned = pinned or v.device.type == "cuda"
     if total > knobs.async_staging_bytes:
         comm.arrive(knobs.collective_timeout_s)
         return _async_save_in_parts(storage, state_dict, save_overwrite, allow_pickle, comm, side, knobs, result, want_meta)

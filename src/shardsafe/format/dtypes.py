@@ -30,13 +30,17 @@ SAFETENSORS_CODE: dict[torch.dtype, str] = {
 _BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_CODE}
 
 
+_NAMES: dict[torch.dtype, str] = {d: n for n, d in _BY_NAME.items()}
+
+
 def dtype_name(dtype: torch.dtype, *, key: str = "") -> str:
     """The metadata name of ``dtype`` (``"bfloat16"``); raises if safetensors cannot store it."""
-    if dtype not in SAFETENSORS_CODE:
+    name = _NAMES.get(dtype)
+    if name is None:
         where = f" for key {key!r}" if key else ""
         supported = ", ".join(sorted(_BY_NAME))
         raise DtypeMismatchError(f"dtype {dtype}{where} cannot be stored in safetensors; supported: {supported}")
-    return str(dtype).removeprefix("torch.")
+    return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
