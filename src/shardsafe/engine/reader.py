@@ -71,14 +71,17 @@ class Reader:
         """Fill every piece of ``target`` from the stored chunks in ``meta``."""
         self.load_tensors([(meta, target)])
 
-    def load_tensors(self, pairs: Iterable[tuple[TensorStorageMetadata, LocalTensor]]) -> None:
+    def load_tensors(
+        self, pairs: Iterable[tuple[TensorStorageMetadata, LocalTensor]], done: Callable[[LocalTensor], None] | None = None
+    ) -> None:
         """Fill every target from its stored chunks; all are complete (or an error raised) on return.
+        ``done(target)`` is called, in order, once a target is complete.
 
         Reads of later targets go on while earlier ones finish; at most about ``_WINDOW`` tasks
         are in flight. On an error, reads already started finish (they write into target
         memory) before it is raised.
         """
-        self.load_planned((self._plan(meta, target), target) for meta, target in pairs)
+        self.load_planned(((self._plan(meta, target), target) for meta, target in pairs), done)
 
     def load_planned(
         self,
