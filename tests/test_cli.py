@@ -383,6 +383,68 @@ def test_load_hf_into_sharded_models_bit_exact(tmp_path, fn, ws):
         assert [n for n, _ in results] == [total // 2] * 2
 
 
+def _load_fsdp2_bytes(rank, ws, path, gap):
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (ws,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    knobs = dataclasses.replace(shardsafe.knobs.KNOBS, coalesce_gap_bytes=gap)
+    n = shardsafe.load_hf_safetensors(path, model, prefix="net.", knobs=knobs)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+
+
+def _load_tp_bytes(rank, ws, path, gap):
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (ws,))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    knobs = dataclasses.replace(shardsafe.knobs.KNOBS, coalesce_gap_bytes=gap)
+    n = shardsafe.load_hf_safetensors(path, model, prefix="net.", knobs=knobs)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+
+
+def test_load_hf_fsdp2_on_4_ranks_reads_exactly_each_share(tmp_path):
+    """FSDP2 shards dim 0: 24 rows -> 6 per rank, 10 rows -> 3, 3, 3, 1. Each of a rank's pieces
+    is one contiguous run of the file and reads are planned tensor by tensor, so each rank reads
+    exactly its elements (4 bytes each), whatever the coalescing gap."""
+    path, sd = _hf_file(tmp_path)
+    for gap in (0, shardsafe.knobs.KNOBS.coalesce_gap_bytes):
+        results = run_ranks(4, _load_fsdp2_bytes, str(path), gap)
+        share = [(6 * 16 + 6 + 3 * 24 + 3) * 4] * 3 + [(6 * 16 + 6 + 1 * 24 + 1) * 4]
+        assert [n for n, _ in results] == share  # [708, 708, 708, 508]: sums to the model's 2632 bytes
+        for _, got in results:
+            for k, v in got.items():
+                assert torch.equal(torch.tensor(v), sd["net." + k]), k
+
+
+def test_load_hf_tp_on_2_ranks_bytes_read_per_rank(tmp_path):
+    """TP: ``0`` column-parallel (weight [24, 16] and bias [24] split on dim 0: one contiguous run
+    each), ``2`` row-parallel (weight [10, 24] split on dim 1: 10 runs of 12 floats, 48 bytes
+    apart; bias [10] replicated). A rank's exact share is (12*16 + 12 + 10*12 + 10) * 4 = 1336
+    bytes. With ``coalesce_gap_bytes=0`` each rank reads exactly that; with the default gap
+    (64 KiB > 48 bytes) the 10 runs of ``2.weight`` are one read of the span from the first run's
+    start to the last run's end, (9*24 + 12) * 4 = 912 bytes instead of 480: 1768 per rank."""
+    path, sd = _hf_file(tmp_path)
+    exact = (12 * 16 + 12 + 10 * 12 + 10) * 4
+    coalesced = exact - 10 * 12 * 4 + (9 * 24 + 12) * 4
+    for gap, want in ((0, exact), (shardsafe.knobs.KNOBS.coalesce_gap_bytes, coalesced)):
+        results = run_ranks(2, _load_tp_bytes, str(path), gap)
+        assert [n for n, _ in results] == [want, want], gap
+        for _, got in results:
+            for k, v in got.items():
+                assert torch.equal(torch.tensor(v), sd["net." + k]), k
+
+
 def test_load_hf_refusals(tmp_path):
     from torch import nn
 

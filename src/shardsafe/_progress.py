@@ -21,6 +21,31 @@ def progress_callback(progress: bool | Progress | None, what: str) -> Progress |
     return tqdm_bar(what)
 
 
+def rank_progress(progress: bool | Progress | None, what: str, is_coordinator: bool) -> Progress | None:
+    """The callback for the ``progress`` argument of a call every rank makes: the bar
+    (``True``) is drawn by the coordinator only; a callable is called on every rank, with that
+    rank's bytes. Arguments are checked on every rank."""
+    fn = progress_callback(progress, what)
+    return None if progress is True and not is_coordinator else fn
+
+
+def targets_done(progress: Progress | None, targets: list[Any]) -> Callable[[Any], None] | None:
+    """A ``done(target)`` callback for :meth:`Reader.load_tensors` reporting ``progress(bytes of
+    targets filled, bytes of all of targets)`` (each a ``LocalTensor``); ``None`` without
+    ``progress``. Reports ``(0, total)`` at once, so a bar shows from the start."""
+    if progress is None:
+        return None
+    total = sum(v.numel() * v.element_size() for t in targets for v in t.views)
+    done = [0]
+    progress(0, total)
+
+    def add(target: Any) -> None:
+        done[0] += sum(v.numel() * v.element_size() for v in target.views)
+        progress(done[0], total)
+
+    return add
+
+
 def tqdm_bar(what: str) -> Progress:
     """A callback drawing a bytes bar (throughput, ETA) on stderr; closed once done reaches the total."""
     from tqdm import tqdm

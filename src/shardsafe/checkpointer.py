@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._args import check_arg, check_bool
 from ._gc import paused_gc
+from ._progress import Progress, rank_progress, targets_done
 from .adapters import LocalTensor, describe_state
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave, wait_for_location
@@ -118,6 +120,7 @@ class Checkpointer:
         metadata: StorageMetadata | None = None,
         *,
         process_group: ProcessGroup | None = None,
+        progress: bool | Callable[[int, int], None] | None = None,
     ) -> None:
         """Fill the tensors of ``state_dict`` in place and replace its non-tensor values.
 
@@ -128,16 +131,23 @@ class Checkpointer:
         Every element of every target tensor is overwritten, or an error is raised. Unless
         ``no_dist``, every rank of ``process_group`` (default: all ranks) calls this together;
         if any rank fails, every rank raises.
+
+        ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+        callable is called on every rank as ``progress(done, total)`` with the bytes of this
+        rank's targets filled so far (from the thread that loads).
         """
         check_arg("Checkpointer.load", "state_dict", state_dict, dict)
         check_bool("Checkpointer.load", "no_dist", no_dist)
         check_arg("Checkpointer.load", "metadata", metadata, StorageMetadata, optional=True)
         storage = open_storage(dir)
         comm = self._comm("load", no_dist, process_group)
+        bar = rank_progress(progress, "load", comm.is_coordinator)
         meta = metadata if metadata is not None else _read_metadata(storage, comm)
-        self._load(storage, state_dict, comm, meta)
+        self._load(storage, state_dict, comm, meta, bar)
 
-    def _load(self, storage: Storage, state_dict: dict[str, Any], comm: Comm, meta: StorageMetadata) -> None:
+    def _load(
+        self, storage: Storage, state_dict: dict[str, Any], comm: Comm, meta: StorageMetadata, progress: Progress | None = None
+    ) -> None:
         started = time.monotonic()
         nread = [0]
 
@@ -146,7 +156,7 @@ class Checkpointer:
             _check_targets(meta, tensors, list(objects), storage.url)
             values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=self.allow_pickle, where=storage.url)
             with Reader(storage, self.knobs) as reader:
-                reader.load_tensors((meta.tensors[t.key], t) for t in tensors)
+                reader.load_tensors(((meta.tensors[t.key], t) for t in tensors), targets_done(progress, tensors))
                 nread[0] = reader.bytes_read
             return values
 

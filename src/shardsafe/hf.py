@@ -15,11 +15,13 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ._args import check_arg, check_bool
+from ._progress import rank_progress, targets_done
 from .adapters import describe_state
 from .adapters.modules import model_state
 from .dist import Comm, get_comm
@@ -211,6 +213,7 @@ def load_hf_safetensors(
     strict: bool = True,
     knobs: Knobs | None = None,
     process_group: ProcessGroup | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
 ) -> int:
     """Load a Hugging Face safetensors model into ``model`` (plain, DDP, FSDP2, HSDP, tensor
     parallel, FSDP2 + TP, FSDP1 with ``use_orig_params=True``) in place; returns the bytes this
@@ -232,6 +235,10 @@ def load_hf_safetensors(
     A Hugging Face file carries no checksums, so, unlike a shardsafe checkpoint, its bytes are
     not verified: only the header's structure and sizes, and that each file holds the bytes its
     header names.
+
+    ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+    callable is called on every rank as ``progress(done, total)`` with the bytes of this rank's
+    parameters and buffers filled so far.
     """
     from .api import MODEL_PREFIX, _check_model_keys
     from .checkpointer import _check_targets
@@ -243,6 +250,7 @@ def load_hf_safetensors(
     knobs = knobs or KNOBS
     started = time.monotonic()
     comm = get_comm(process_group=process_group, call="shardsafe.load_hf_safetensors", timeout_s=knobs.collective_timeout_s)
+    bar = rank_progress(progress, "load_hf_safetensors", comm.is_coordinator)
     hf = open_hf_model(path_or_url, comm)
     log.debug("load_hf_safetensors %s: %d tensors in %d file(s)", hf.where, len(hf.tensors), len({f for t in hf.tensors.values() for f in t.shard_spec_per_file}))
     pre = prefix or ""
@@ -257,7 +265,7 @@ def load_hf_safetensors(
         _check_targets(_Tensors(stored), tensors, [], hf.where)
         check_files_hold(hf.storage, ((t.key, stored[t.key]) for t in tensors))
         with Reader(hf.storage, knobs) as reader:
-            reader.load_tensors((stored[t.key], t) for t in tensors)
+            reader.load_tensors(((stored[t.key], t) for t in tensors), targets_done(bar, tensors))
             return reader.bytes_read
 
     nread = comm.check(run)

@@ -28,6 +28,7 @@ import torch
 
 from ..adapters import LocalTensor
 from ..errors import CorruptCheckpointError
+from ..format.checksum import UNCHECKED
 from ..format.metadata import TensorStorageMetadata
 from ..knobs import Knobs
 from ..planning.geometry import row_major_strides
@@ -70,14 +71,17 @@ class Reader:
         """Fill every piece of ``target`` from the stored chunks in ``meta``."""
         self.load_tensors([(meta, target)])
 
-    def load_tensors(self, pairs: Iterable[tuple[TensorStorageMetadata, LocalTensor]]) -> None:
+    def load_tensors(
+        self, pairs: Iterable[tuple[TensorStorageMetadata, LocalTensor]], done: Callable[[LocalTensor], None] | None = None
+    ) -> None:
         """Fill every target from its stored chunks; all are complete (or an error raised) on return.
+        ``done(target)`` is called, in order, once a target is complete.
 
         Reads of later targets go on while earlier ones finish; at most about ``_WINDOW`` tasks
         are in flight. On an error, reads already started finish (they write into target
         memory) before it is raised.
         """
-        self.load_planned((self._plan(meta, target), target) for meta, target in pairs)
+        self.load_planned(((self._plan(meta, target), target) for meta, target in pairs), done)
 
     def load_planned(
         self,
@@ -210,6 +214,8 @@ class Reader:
                 return out
         if span_hi - span_lo > self.budget and sums.block_bytes >= sums.nbytes and sums.algorithm == "crc32c":
             return [lambda: self._run_unverified(item, itemsize, dst)]  # a part of a large v1 chunk
+        if n_runs > 1 and sums.algorithm == UNCHECKED:  # no digests: read only the runs (gaps under the knob coalesced)
+            return [lambda: self._run_unverified(item, itemsize, dst)]
         return [lambda: self._via_scratch(item, dst, span_lo, span_hi, lo, hi)]
 
     def _in_place(self, item: ReadItem, dst: memoryview, lo: int, a: int, b: int) -> list[Callable[[], None]]:
@@ -247,7 +253,9 @@ class Reader:
             dst.copy_(src)
 
     def _run_unverified(self, item: ReadItem, itemsize: int, dst: torch.Tensor) -> None:
-        """Copy a part of a format-v1 chunk too large to read whole: exact reads, no checksum."""
+        """Copy a part of a format-v1 chunk too large to read whole, or strided runs of bytes that
+        carry no digests (a Hugging Face file): exact reads, gaps over ``coalesce_gap_bytes``
+        skipped, no checksum."""
         n_runs, run_elems, first, kp = _src_runs(item)
         if n_runs == 1:
             nbytes = run_elems * itemsize
