@@ -296,14 +296,15 @@ def ratio_lines(summary: dict[str, dict[str, dict]]) -> list[str]:
 
 def table(summary: dict[str, dict[str, dict]], cfg: Config, total_bytes: int) -> str:
     lines = [
-        "| operation | method | median s | GB/s (model) | vs shardsafe | bit-exact |",
-        "|---|---|---:|---:|---:|---|",
+        "| operation | method | median s | spread s | GB/s (model) | vs shardsafe | bit-exact |",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
     for op in OPS:
         base = summary[op].get("shardsafe", {}).get("median_s")
         for m, v in summary[op].items():
             rel = f"{v['median_s'] / base:.2f}x" if base else "-"
-            lines.append(f"| {op} | {m} | {v['median_s']:.3f} | {total_bytes / v['median_s'] / 1e9:.3g} | {rel} | {'yes' if v['ok'] else 'NO'} |")
+            spread = f"{min(v['reps_s']):.3f}–{max(v['reps_s']):.3f}"
+            lines.append(f"| {op} | {m} | {v['median_s']:.3f} | {spread} | {total_bytes / v['median_s'] / 1e9:.3g} | {rel} | {'yes' if v['ok'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
