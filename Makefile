@@ -63,3 +63,12 @@ bench-async: $(BENCH_STAMP)
 
 bench-async-quick: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_async.py --quick
+
+# Megatron-style 4-rank TP2 x DP2 save, load and resharding load: shardsafe.megatron against
+# megatron-core's dist_checkpointing (torch_dist, plain and fully parallel)
+.PHONY: bench-megatron bench-megatron-quick
+bench-megatron: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_megatron.py --update-docs
+
+bench-megatron-quick: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_megatron.py --quick

@@ -719,3 +719,19 @@ def test_torch_optimizer_state_sharded_like_the_model(tmp_path):
     assert out["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9) and out["optimizer"]["param_groups"][0]["params"] == [0, 1]
     with pytest.raises(CheckpointingException, match=r"optimizer state optimizer.state.x.layer.bias: shape \(2,\) differs"):
         optimizer.make_sharded_optimizer_tensor(id_map[1], torch.zeros(2), "optimizer.state.x")
+
+
+def _save_tp2pp2dp2(rank: int, ws: int, path: str) -> None:
+    assert ws == 8
+    save(sharded_state((2, 2, 2), rank, ground_truth()), path, preprocess_common_before_consistancy_check=drop_rank)
+
+
+def test_eight_ranks_tp2pp2dp2_save_loads_at_tp1pp1_in_a_plain_process_bit_exact(tmp_path):
+    path = str(tmp_path / "tp2pp2dp2")
+    run_ranks(8, _save_tp2pp2dp2, path, timeout=120)
+    layout = (1, 1, 1)  # distributed-optimizer ranges cut for two DP ranks load into whole boxes
+    assert mismatches(load(sharded_state(layout, 0, None, rng=False), path), layout, 0, rng=False) == []
+    assert sorted(load_plain_tensors(path)) == sorted(ground_truth())
+    # every DP replica's ShardedObject cell is stored once: (pp, tp) cells of rng_state
+    meta = load_sharded_metadata(path)
+    assert sorted(k for k in meta if k.startswith("rng_state/")) == [f"rng_state/shard_{p}.{t}_2.2" for p in range(2) for t in range(2)]

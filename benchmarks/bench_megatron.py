@@ -1,0 +1,379 @@
+"""Megatron-style checkpoints: ``shardsafe.megatron`` against ``megatron.core.dist_checkpointing``.
+
+Four gloo ranks hold a GPT-like model at TP2 x DP2 (rank ``r``: ``tp = r % 2``, ``dp = r // 2``):
+an embedding split over the vocabulary, per layer the column-parallel QKV and FC1 (split along
+dim 0, QKV's bias too), the row-parallel projection and FC2 (split along dim 1), replicated
+layer norms; every tensor a ``ShardedTensor`` whose ``replica_id`` is the DP rank (the layer
+norms: ``dp * 2 + tp``), plus a little common state. The same tensors go through each method:
+
+- ``shardsafe``: ``shardsafe.megatron.save`` / ``load`` with their default strategies;
+- ``shardsafe-fp``: the same inside ``shardsafe.megatron``'s ``FullyParallel{Save,Load}StrategyWrapper``;
+- ``megatron``: megatron-core's ``dist_checkpointing.save`` / ``load`` with its default ``torch_dist``
+  backend (PyTorch DCP underneath);
+- ``megatron-fp``: the same inside Megatron's ``FullyParallelSaveStrategyWrapper`` /
+  ``FullyParallelLoadStrategyWrapper`` (the DP group; for the resharding load the whole job), as
+  Megatron-LM runs it with ``--ckpt-fully-parallel-save/load``.
+
+Operations, each bracketed by barriers (a rank's time includes waiting for the slowest): ``save``;
+``load`` into the same layout; ``reshard``: load into TP1 x DP4 (every rank the whole model). The
+methods are interleaved in an order rotated each repetition; the table shows medians. Loads read
+what the save just wrote (warm page cache), and every loaded tensor is compared bit for bit with
+what was saved. megatron-core's ``torch_dist`` code calls ``torch.cuda.synchronize`` /
+``current_device`` and its fully parallel load exchanges through CUDA tensors: on this CPU machine
+the ranks make the former no-ops and keep the exchange buffers on the CPU (nothing else changes).
+
+Prints a table and ``MEGATRON save=..x load=..x reshard=..x`` (Megatron's best method's median
+time over ``shardsafe``'s, per operation) and ``TARGETS`` (save >= 1.3x, loads >= 2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_HERE)
+sys.path.insert(0, _HERE)
+
+from iobench.harness import run_ranks_collect  # noqa: E402
+
+METHODS = ("shardsafe", "shardsafe-fp", "megatron", "megatron-fp")
+OPS = ("save", "load", "reshard")
+TARGETS = {"save": 1.3, "load": 2.0, "reshard": 2.0}
+BEGIN, END = "<!-- bench-megatron:begin -->", "<!-- bench-megatron:end -->"
+TP, DP = 2, 2
+
+
+@dataclass(frozen=True)
+class Config:
+    root: str
+    hidden: int
+    layers: int
+    vocab: int
+    reps: int
+    methods: tuple[str, ...]
+
+
+# ---------------------------------------------------------------- the model's tensors
+
+
+def model_shapes(cfg: Config) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """Every tensor's global shape and the axis TP splits (None: replicated)."""
+    h = cfg.hidden
+    shapes: dict[str, tuple[tuple[int, ...], int | None]] = {"embedding.word_embeddings.weight": ((cfg.vocab, h), 0)}
+    for i in range(cfg.layers):
+        p = f"decoder.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = ((h,), None)
+        shapes[p + "self_attention.linear_qkv.weight"] = ((3 * h, h), 0)
+        shapes[p + "self_attention.linear_qkv.bias"] = ((3 * h,), 0)
+        shapes[p + "self_attention.linear_proj.weight"] = ((h, h), 1)
+        shapes[p + "pre_mlp_layernorm.weight"] = ((h,), None)
+        shapes[p + "mlp.linear_fc1.weight"] = ((4 * h, h), 0)
+        shapes[p + "mlp.linear_fc2.weight"] = ((h, 4 * h), 1)
+    shapes["decoder.final_layernorm.weight"] = ((h,), None)
+    return shapes
+
+
+def truth(cfg: Config) -> dict[str, Any]:
+    """The whole model, the same on every rank (one seeded generator per tensor)."""
+    import torch
+
+    out = {}
+    for n, (key, (shape, _axis)) in enumerate(model_shapes(cfg).items()):
+        out[key] = torch.randn(shape, generator=torch.Generator().manual_seed(n))
+    return out
+
+
+def local_part(t: Any, axis: int | None, tp: int, tp_size: int) -> Any:
+    return t if axis is None or tp_size == 1 else t.chunk(tp_size, axis)[tp]
+
+
+def sharded_state(mapping: Any, cfg: Config, whole: dict[str, Any], tp: int, tp_size: int, dp: int, empty: bool) -> dict:
+    """The rank's sharded state dict with ``mapping.ShardedTensor`` (Megatron's or ours): its parts
+    of ``whole`` (copied), or zeros of their shapes to load into (``empty``)."""
+    import torch
+
+    sd: dict[str, Any] = {}
+    for key, (_shape, axis) in model_shapes(cfg).items():
+        part = local_part(whole[key], axis, tp, tp_size)
+        data = torch.zeros_like(part) if empty else part.clone()
+        if axis is None or tp_size == 1:
+            sd[key] = mapping.ShardedTensor.from_rank_offsets(key, data, replica_id=dp * tp_size + tp)
+        else:
+            sd[key] = mapping.ShardedTensor.from_rank_offsets(key, data, (axis, tp, tp_size), replica_id=dp)
+    sd["iteration"] = 1000
+    sd["checkpoint_version"] = 3.0
+    return sd
+
+
+def matches(got: dict, whole: dict[str, Any], cfg: Config, tp: int, tp_size: int) -> bool:
+    import torch
+
+    return all(torch.equal(got[k], local_part(whole[k], axis, tp, tp_size)) for k, (_s, axis) in model_shapes(cfg).items()) and got["iteration"] == 1000
+
+
+# ---------------------------------------------------------------- megatron-core on the CPU
+
+
+def _cpu_megatron() -> None:
+    """megatron-core's torch_dist save calls ``torch.cuda.synchronize`` / ``current_device``, and
+    its fully parallel load's exchange puts its buffers on ``"cuda"``: keep all of it on the CPU."""
+    import torch
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self  # nothing on the CPU path of these ranks needs a GPU
+    from megatron.core.dist_checkpointing import exchange_utils as ex
+
+    def empty_for_exchange(shard_id, needed_shards, unneeded_shards, loaded_tensors):
+        needed = needed_shards.get(shard_id)
+        if needed is None:
+            sh = unneeded_shards[shard_id]
+            if sh.data is None:
+                sh.init_data("cpu")
+                tensor, sh.data = sh.data, None
+            else:
+                tensor = torch.empty_like(sh.data)
+            return tensor, None
+        needed.init_data("cpu")
+        loaded_tensors[shard_id] = needed.data
+        return needed.data, needed.data.device
+
+    ex._get_empty_tensor_for_exchange = empty_for_exchange
+
+
+# ---------------------------------------------------------------- the methods
+
+
+class Methods:
+    """One rank's save / load functions per method (strategies built once, outside the clock)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        import torch.distributed as dist
+
+        self.tp, self.dp = rank % TP, rank // TP
+        # every rank creates every group, in the same order
+        self.dp_group = [dist.new_group([t + TP * d for d in range(DP)]) for t in range(TP)][self.tp]
+        self.world_group = dist.group.WORLD
+
+    def save(self, method: str, sd: dict, path: str) -> None:
+        if method.startswith("shardsafe"):
+            from shardsafe.megatron import save
+            from shardsafe.megatron.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+            from shardsafe.megatron.strategies.shardsafe import ShardsafeSaveShardedStrategy
+
+            strategy = FullyParallelSaveStrategyWrapper(ShardsafeSaveShardedStrategy(), self.dp_group) if method.endswith("-fp") else None
+            save(sd, path, sharded_strategy=strategy)
+        else:
+            from megatron.core import dist_checkpointing as mdc
+            from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+            strategy = None
+            if method.endswith("-fp"):
+                strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), self.dp_group)
+            mdc.save(sd, path, sharded_strategy=strategy)
+
+    def load(self, method: str, sd: dict, path: str, group: Any) -> dict:
+        if method.startswith("shardsafe"):
+            from shardsafe.megatron import load
+            from shardsafe.megatron.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+            from shardsafe.megatron.strategies.shardsafe import ShardsafeLoadShardedStrategy
+
+            strategy = FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy(), group) if method.endswith("-fp") else None
+            return load(sd, path, sharded_strategy=strategy)
+        from megatron.core import dist_checkpointing as mdc
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+        strategy = None
+        if method.endswith("-fp"):
+            strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(path), group)
+        return mdc.load(sd, path, sharded_strategy=strategy)
+
+
+def _rotated(names: tuple[str, ...], k: int) -> list[str]:
+    k %= len(names)
+    return list(names[k:] + names[:k])
+
+
+def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
+    import multiprocessing
+
+    multiprocessing.current_process()._config["daemon"] = False  # torch_dist's writer forks workers
+    import torch
+    import torch.distributed as dist
+
+    _cpu_megatron()
+    from megatron.core.dist_checkpointing import mapping as mmapping
+
+    from shardsafe.megatron import mapping as smapping
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    records: list[dict] = []
+    try:
+        methods = Methods(rank, world)
+        tp, dp = methods.tp, methods.dp
+        whole = truth(cfg)
+        local_bytes = sum(local_part(t, a, tp, TP).nbytes for (k, (_s, a)), t in zip(model_shapes(cfg).items(), whole.values()))
+
+        def timed(op: str, method: str, rep: int, fn) -> Any:
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = fn()
+            dist.barrier()
+            records.append({"op": op, "method": method, "rep": rep, "rank": rank, "seconds": time.perf_counter() - t0, "local_bytes": local_bytes})
+            return out
+
+        for rep in range(cfg.reps):
+            for m in _rotated(cfg.methods, rep):
+                mapping = smapping if m.startswith("shardsafe") else mmapping
+                path = os.path.join(cfg.root, m)
+                if rank == 0:
+                    shutil.rmtree(path, ignore_errors=True)
+                    os.makedirs(path)
+                sd = sharded_state(mapping, cfg, whole, tp, TP, dp, empty=False)
+                timed("save", m, rep, lambda m=m, sd=sd, path=path: methods.save(m, sd, path))
+                del sd
+
+                target = sharded_state(mapping, cfg, whole, tp, TP, dp, empty=True)
+                got = timed("load", m, rep, lambda m=m, t=target, path=path: methods.load(m, t, path, methods.dp_group))
+                records[-1]["ok"] = matches(got, whole, cfg, tp, TP)
+                del target, got
+
+                target = sharded_state(mapping, cfg, whole, 0, 1, rank, empty=True)  # TP1 x DP4
+                got = timed("reshard", m, rep, lambda m=m, t=target, path=path: methods.load(m, t, path, methods.world_group))
+                records[-1]["ok"] = matches(got, whole, cfg, 0, 1)
+                del target, got
+                dist.barrier()
+                if rank == 0:
+                    shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return records
+
+
+# ---------------------------------------------------------------- summary
+
+
+def summarize(records: list[dict], methods: tuple[str, ...]) -> dict[str, dict[str, dict]]:
+    """Per operation and method: median over repetitions of the slowest rank's time, and whether
+    every rank's load was bit-exact."""
+    out: dict[str, dict[str, dict]] = {}
+    for op in OPS:
+        out[op] = {}
+        for m in methods:
+            recs = [r for r in records if r["op"] == op and r["method"] == m]
+            reps = sorted({r["rep"] for r in recs})
+            per_rep = [max(r["seconds"] for r in recs if r["rep"] == k) for k in reps]
+            ok = all(r.get("ok", True) for r in recs)
+            out[op][m] = {"median_s": statistics.median(per_rep), "reps_s": per_rep, "ok": ok}
+    return out
+
+
+def ratio_lines(summary: dict[str, dict[str, dict]]) -> list[str]:
+    values, best, targets = [], [], []
+    for op in OPS:
+        peers = {m: v for m, v in summary[op].items() if m.startswith("megatron")}
+        if "shardsafe" not in summary[op] or not peers:
+            continue
+        name = min(peers, key=lambda m: peers[m]["median_s"])
+        ratio = peers[name]["median_s"] / summary[op]["shardsafe"]["median_s"]
+        values.append(f"{op}={ratio:.2f}x")
+        best.append(f"{op}_best={name}")
+        targets.append(f"{op}>={TARGETS[op]:g}x:{'ok' if ratio >= TARGETS[op] else 'MISS'}")
+    return [f"MEGATRON {' '.join(values + best)}", f"TARGETS {' '.join(targets)}"]
+
+
+def table(summary: dict[str, dict[str, dict]], cfg: Config, total_bytes: int) -> str:
+    lines = [
+        "| operation | method | median s | spread s | GB/s (model) | vs shardsafe | bit-exact |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for op in OPS:
+        base = summary[op].get("shardsafe", {}).get("median_s")
+        for m, v in summary[op].items():
+            rel = f"{v['median_s'] / base:.2f}x" if base else "-"
+            spread = f"{min(v['reps_s']):.3f}–{max(v['reps_s']):.3f}"
+            lines.append(f"| {op} | {m} | {v['median_s']:.3f} | {spread} | {total_bytes / v['median_s'] / 1e9:.3g} | {rel} | {'yes' if v['ok'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def update_docs(doc: str, text: str) -> None:
+    """Replace the generated part of the Megatron section of ``doc`` (between its markers)."""
+    body = open(doc).read()
+    if BEGIN not in body or END not in body:
+        body += f"\n{BEGIN}\n{END}\n"
+    head, rest = body.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(doc, "w") as f:
+        f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 1024, --quick 64)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 8192, --quick 256)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions of every method (default 5, --quick 1)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of: " + ", ".join(METHODS))
+    ap.add_argument("--quick", action="store_true", help="a smoke run: a tiny model, one repetition")
+    ap.add_argument("--dir", default="/tmp/shardsafe-bench-megatron", help="scratch directory for the checkpoints (emptied)")
+    ap.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
+    ap.add_argument("--update-docs", action="store_true", help="write the table into docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    methods = tuple(m for m in args.methods.split(",") if m)
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    cfg = Config(
+        root=args.dir,
+        hidden=args.hidden or (64 if args.quick else 1024),
+        layers=args.layers,
+        vocab=args.vocab or (256 if args.quick else 8192),
+        reps=args.reps or (1 if args.quick else 5),
+        methods=methods,
+    )
+    total = sum(4 * _numel(s) for s, _a in model_shapes(cfg).values())
+    shutil.rmtree(cfg.root, ignore_errors=True)
+    os.makedirs(cfg.root)
+    try:
+        records = run_ranks_collect(_run_rank, TP * DP, cfg, timeout=1800, daemon=False, join_s=60)
+    finally:
+        shutil.rmtree(cfg.root, ignore_errors=True)
+    summary = summarize(records, methods)
+    head = (
+        f"4 ranks, TP{TP} x DP{DP} -> reshard to TP1 x DP4; GPT-like: hidden {cfg.hidden}, {cfg.layers} layers, "
+        f"vocabulary {cfg.vocab}; model {total / 2**20:.1f} MiB fp32, {total / TP / 2**20:.1f} MiB per rank; "
+        f"median of {cfg.reps} interleaved repetitions, warm page cache\n\n"
+    )
+    text = head + table(summary, cfg, total)
+    lines = ratio_lines(summary)
+    print(text)
+    print("\n".join(lines))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "megatron.json"), "w") as f:
+        json.dump({"config": asdict(cfg), "summary": summary, "lines": lines, "records": records}, f, indent=1)
+    if args.update_docs:
+        update_docs(os.path.join(_REPO, "docs", "benchmarks.md"), text + "\n```\n" + "\n".join(lines) + "\n```\n")
+    return 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+if __name__ == "__main__":
+    sys.exit(main())
