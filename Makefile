@@ -63,3 +63,9 @@ bench-async: $(BENCH_STAMP)
 
 bench-async-quick: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_async.py --quick
+
+# DCP plugin and DCP import: dcp.save/dcp.load through our StorageWriter/StorageReader against
+# DCP's FileSystemWriter/FileSystemReader and Checkpointer, and shardsafe.dcp.convert
+.PHONY: bench-dcp
+bench-dcp: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_dcp.py --update-docs
