@@ -24,10 +24,10 @@ is the slowest rank's, bracketed by barriers; the median is reported.
   ``dcp.load`` with ``shardsafe.dcp.StorageReader`` of the plugin's checkpoint; ``dcp`` =
   ``dcp.load`` with ``FileSystemReader`` of DCP's; ``shardsafe`` = ``Checkpointer().load`` of
   ours. Every load is checked against the CRC32C of the state it should produce.
-- **convert** (one process, no process group, DCP's checkpoint from the save step, warm):
+- **convert** (rank 0 alone, the other rank waiting; DCP's checkpoint from the save step, warm):
   ``convert`` = ``shardsafe.dcp.convert(src, dst)``; ``dcp-load+save`` = full tensors allocated
   from the shapes, ``dcp.load(..., no_dist=True)`` with ``FileSystemReader``, then
-  ``Checkpointer().save`` (``baseline_load_s``: its ``dcp.load`` part). Peak RSS beyond the
+  ``Checkpointer().save`` on a one-rank group (``baseline_load_s``: its ``dcp.load`` part). Peak RSS beyond the
   process's RSS before the call.
 
 Prints a markdown table and the lines::
@@ -168,17 +168,23 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
         gc.collect()
         target = build_state(spec, mesh, 1)  # the same tensors as Shard(1)
         loads("reshard", target, state_crc(target))
+        del target
+        gc.collect()
+        solo = dist.new_group([0])  # rank 0 converts alone (the other waits), saving on a one-rank group
+        if rank == 0:
+            records += _convert(cfg, solo)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     return records
 
 
-# ---------------------------------------------------------------- one process: convert
+# ---------------------------------------------------------------- rank 0 alone: convert
 
 
-def _run_convert(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
-    """``convert`` against ``dcp.load`` + ``Checkpointer.save`` of DCP's checkpoint, no process group."""
+def _convert(cfg: Config, group) -> list[dict]:  # type: ignore[no-untyped-def]
+    """``convert`` against ``dcp.load`` (``no_dist``) + ``Checkpointer.save`` (on ``group``, this
+    rank alone) of DCP's checkpoint."""
     import torch
     import torch.distributed.checkpoint as dcp
     from iobench.states import nbytes
@@ -198,7 +204,7 @@ def _run_convert(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(full, storage_reader=dcp.FileSystemReader(src), no_dist=True)
         loaded_at.append(time.perf_counter())
-        shardsafe.Checkpointer().save(dst, full)
+        shardsafe.Checkpointer().save(dst, full, process_group=group)
 
     fns = {"convert": lambda dst: shardsafe.dcp.convert(src, dst, progress=False), "dcp-load+save": baseline}
     peak = PeakRSS()
@@ -337,7 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         records = run_ranks_collect(_run_rank, WORLD, cfg, daemon=False, join_s=60)
-        records += run_ranks_collect(_run_convert, 1, cfg, daemon=False, join_s=60)
     finally:
         shutil.rmtree(cfg.root, ignore_errors=True)
     from iobench.states import nbytes
