@@ -18,7 +18,8 @@ is the slowest rank's, bracketed by barriers; the median is reported.
   ``dcp.save`` with ``FileSystemWriter(d)`` at its defaults; ``shardsafe`` =
   ``Checkpointer().save(d, state)``. For ``plugin`` the time from the call until DCP hands our
   writer its plan (``write_data``) is reported as **planning**: DCP's planner, its collectives
-  and our ``prepare_*_plan`` hooks, which ``Checkpointer.save`` does not pay.
+  and our ``prepare_*_plan`` hooks, which ``Checkpointer.save`` does not pay; **hooks**: the
+  part spent in those hooks of ours (the slowest rank's).
 - **load** (same layout, files in the page cache) and **reshard** (saved on 2 ranks as
   ``Shard(0)``, loaded into ``Shard(1)`` DTensors of the same tensors): ``plugin`` =
   ``dcp.load`` with ``shardsafe.dcp.StorageReader`` of the plugin's checkpoint; ``dcp`` =
@@ -32,7 +33,8 @@ is the slowest rank's, bracketed by barriers; the median is reported.
 
 Prints a markdown table and the lines::
 
-    DCP save plugin_s=... dcp_s=... shardsafe_s=... plugin_vs_dcp=...x plugin_vs_shardsafe=...x planning_s=... planning_share=...%
+    DCP save plugin_s=... dcp_s=... shardsafe_s=... plugin_vs_dcp=...x plugin_vs_shardsafe=...x planning_s=...
+        planning_share=...% hooks_s=...
     DCP load plugin_s=... dcp_s=... shardsafe_s=... plugin_vs_dcp=...x plugin_vs_shardsafe=...x
     DCP reshard plugin_s=... dcp_s=... shardsafe_s=... plugin_vs_dcp=...x plugin_vs_shardsafe=...x
     DCP convert convert_s=... convert_mib_s=... convert_rss_mib=... baseline_s=... baseline_mib_s=... baseline_load_s=...
@@ -97,9 +99,25 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
     import shardsafe.dcp
 
     class TimedWriter(shardsafe.dcp.StorageWriter):
-        """Our writer, noting when DCP's planning is over and the writing begins."""
+        """Our writer, noting when DCP's planning is over and the writing begins, and how long our
+        own planning hooks took (``hooks``, reset before each save)."""
 
         planned_at = 0.0
+        hooks = 0.0
+
+        def prepare_local_plan(self, plan):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return super().prepare_local_plan(plan)
+            finally:
+                TimedWriter.hooks += time.perf_counter() - t
+
+        def prepare_global_plan(self, plans):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return super().prepare_global_plan(plans)
+            finally:
+                TimedWriter.hooks += time.perf_counter() - t
 
         def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
             TimedWriter.planned_at = time.perf_counter()
@@ -128,7 +146,7 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
             rec = dict(op=op, method=method, rep=rep, seconds=dt, extra_rss=peak.extra, rank=rank,
                        ok=None if check is None else check())
             if op == "save" and method == "plugin":
-                rec["planning_s"] = TimedWriter.planned_at - t0
+                rec["planning_s"], rec["hooks_s"] = TimedWriter.planned_at - t0, TimedWriter.hooks
             records.append(rec)
             if rank == 0:
                 print(f"  {op:8} rep {rep} {method:10} {dt:7.3f} s  +{peak.extra / _MiB:7.1f} MiB"
@@ -138,8 +156,12 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
 
+        def plugin_save(path: str, st) -> None:  # type: ignore[no-untyped-def]
+            TimedWriter.hooks = 0.0
+            dcp.save(st, storage_writer=TimedWriter(path))
+
         saves = {
-            "plugin": lambda p, st=state: dcp.save(st, storage_writer=TimedWriter(p)),
+            "plugin": lambda p, st=state: plugin_save(p, st),
             "dcp": lambda p, st=state: dcp.save(st, storage_writer=dcp.FileSystemWriter(p)),
             "shardsafe": lambda p, st=state: shardsafe.Checkpointer().save(p, st),
         }
@@ -242,8 +264,9 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
         m = merged.setdefault(key, {k: v for k, v in r.items() if k != "rank"})
         m["seconds"] = max(m["seconds"], r["seconds"])
         m["extra_rss"] = max(m["extra_rss"], r["extra_rss"])
-        if r.get("planning_s") is not None:
-            m["planning_s"] = max(m["planning_s"], r["planning_s"])
+        for f in ("planning_s", "hooks_s"):
+            if r.get(f) is not None:
+                m[f] = max(m[f], r[f])
         if r["ok"] is not None:
             m["ok"] = bool(m["ok"]) and r["ok"]
     out: dict[str, dict[str, dict]] = {}
@@ -254,16 +277,18 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
         row["extra_rss"].append(r["extra_rss"])
         if r.get("planning_s") is not None:
             row["planning_s"].append(r["planning_s"])
-        if r.get("load_s") is not None:
-            row.setdefault("load_s", []).append(r["load_s"])
+        for f in ("hooks_s", "load_s"):
+            if r.get(f) is not None:
+                row.setdefault(f, []).append(r[f])
         row["ok"] = row["ok"] and r["ok"] is not False
     for rows in out.values():
         for row in rows.values():
             row["seconds"] = median(row["seconds"])
             row["extra_rss"] = median(row["extra_rss"])
             row["planning_s"] = median(row["planning_s"]) if row["planning_s"] else None
-            if "load_s" in row:
-                row["load_s"] = median(row["load_s"])
+            for f in ("hooks_s", "load_s"):
+                if f in row:
+                    row[f] = median(row[f])
     return out
 
 
@@ -278,7 +303,7 @@ def ratio_lines(summary: dict[str, dict[str, dict]], total: int) -> list[str]:
                 f"plugin_vs_shardsafe={p / s:.2f}x")
         if op == "save":
             plan = rows["plugin"]["planning_s"]
-            line += f" planning_s={plan:.4f} planning_share={100 * plan / p:.1f}%"
+            line += f" planning_s={plan:.4f} planning_share={100 * plan / p:.1f}% hooks_s={rows['plugin']['hooks_s']:.4f}"
         lines.append(line)
     conv = summary.get("convert")
     if conv:
@@ -299,13 +324,13 @@ def markdown(summary: dict[str, dict[str, dict]], info: dict, config: dict) -> s
         f"{info['date']}, {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, torch {info['torch']}, "
         f"commit {info['commit']}; {WORLD} gloo ranks, {config['mib_per_rank']:g} MiB per rank ({config['state']}), "
         f"{config['reps']} repetitions interleaved (medians), {config['elapsed_s']:.0f} s in all.\n\n"
-        "| op | method | s | MiB/s | planning s | peak extra RSS MiB | data |\n"
+        "| op | method | s | MiB/s | planning s (our hooks) | peak extra RSS MiB | data |\n"
         "|---|---|---|---|---|---|---|\n"
     )
     body = []
     for op, rows in summary.items():
         for m, r in rows.items():
-            plan = "-" if r["planning_s"] is None else f"{r['planning_s']:.4f}"
+            plan = "-" if r["planning_s"] is None else f"{r['planning_s']:.4f} ({r['hooks_s']:.4f})"
             ok = "-" if op in ("save", "convert") else ("ok" if r["ok"] else "WRONG")
             body.append(f"| {op} | {m} | {r['seconds']:.4f} | {total / _MiB / r['seconds']:.0f} | {plan} "
                         f"| {r['extra_rss'] / _MiB:.1f} | {ok} |")

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ROWS = [(op, m) for op in ("save", "load", "reshard") for m in ("plugin", "dcp", "shardsafe")] + [
     ("convert", "convert"), ("convert", "dcp-load+save")]
 FIELDS = {
-    "save": ("plugin_s", "dcp_s", "shardsafe_s", "plugin_vs_dcp", "plugin_vs_shardsafe", "planning_s", "planning_share"),
+    "save": ("plugin_s", "dcp_s", "shardsafe_s", "plugin_vs_dcp", "plugin_vs_shardsafe", "planning_s", "planning_share",
+             "hooks_s"),
     "load": ("plugin_s", "dcp_s", "shardsafe_s", "plugin_vs_dcp", "plugin_vs_shardsafe"),
     "reshard": ("plugin_s", "dcp_s", "shardsafe_s", "plugin_vs_dcp", "plugin_vs_shardsafe"),
     "convert": ("convert_s", "convert_mib_s", "convert_rss_mib", "baseline_s", "baseline_mib_s", "baseline_load_s", "baseline_rss_mib",
@@ -42,7 +43,8 @@ def test_quick_run_prints_dcp_lines(tmp_path: Path) -> None:
         assert _number(seconds) > 0 and _number(mib_s) > 0 and _number(rss) >= 0, (op, method)
         assert (planning != "-") == ((op, method) == ("save", "plugin")), (op, method, planning)
         if planning != "-":
-            assert 0 < _number(planning) < _number(seconds), planning
+            total, hooks = planning.split()
+            assert 0 < _number(hooks.strip("()")) < _number(total) < _number(seconds), planning
         assert data == ("ok" if op in ("load", "reshard") else "-"), (op, method, data)  # loads bit-exact
 
     lines = [line.split() for line in out.splitlines() if line.startswith("DCP ")]
