@@ -19,7 +19,9 @@ is the slowest rank's, bracketed by barriers; the median is reported.
   ``Checkpointer().save(d, state)``. For ``plugin`` the time from the call until DCP hands our
   writer its plan (``write_data``) is reported as **planning**: DCP's planner, its collectives
   and our ``prepare_*_plan`` hooks, which ``Checkpointer.save`` does not pay; **hooks**: the
-  part spent in those hooks of ours (the slowest rank's).
+  part spent in those hooks of ours (the slowest rank's); then on rank 0 (DCP's coordinator)
+  **write** (``write_data`` until DCP calls ``finish``: our writes, DCP's ``resolve_data`` per
+  item and its gather of the write results) and **finish** (our commit, DCP's final barrier).
 - **load** (same layout, files in the page cache) and **reshard** (saved on 2 ranks as
   ``Shard(0)``, loaded into ``Shard(1)`` DTensors of the same tensors): ``plugin`` =
   ``dcp.load`` with ``shardsafe.dcp.StorageReader`` of the plugin's checkpoint; ``dcp`` =
@@ -34,7 +36,7 @@ is the slowest rank's, bracketed by barriers; the median is reported.
 Prints a markdown table and the lines::
 
     DCP save plugin_s=... dcp_s=... shardsafe_s=... plugin_vs_dcp=...x plugin_vs_shardsafe=...x planning_s=...
-        planning_share=...% hooks_s=...
+        planning_share=...% hooks_s=... write_s=... finish_s=...
     DCP load plugin_s=... dcp_s=... shardsafe_s=... plugin_vs_dcp=...x plugin_vs_shardsafe=...x
     DCP reshard plugin_s=... dcp_s=... shardsafe_s=... plugin_vs_dcp=...x plugin_vs_shardsafe=...x
     DCP convert convert_s=... convert_mib_s=... convert_rss_mib=... baseline_s=... baseline_mib_s=... baseline_load_s=...
@@ -103,6 +105,7 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
         own planning hooks took (``hooks``, reset before each save)."""
 
         planned_at = 0.0
+        finish_at = 0.0
         hooks = 0.0
 
         def prepare_local_plan(self, plan):  # type: ignore[no-untyped-def]
@@ -122,6 +125,10 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
         def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
             TimedWriter.planned_at = time.perf_counter()
             return super().write_data(plan, planner)
+
+        def finish(self, metadata, results):  # type: ignore[no-untyped-def]  # the coordinator only
+            TimedWriter.finish_at = time.perf_counter()
+            return super().finish(metadata, results)
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -147,6 +154,8 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
                        ok=None if check is None else check())
             if op == "save" and method == "plugin":
                 rec["planning_s"], rec["hooks_s"] = TimedWriter.planned_at - t0, TimedWriter.hooks
+                if rank == 0:  # the coordinator: from the end of planning to its finish(), and from there to the end
+                    rec["write_s"], rec["finish_s"] = TimedWriter.finish_at - TimedWriter.planned_at, t0 + dt - TimedWriter.finish_at
             records.append(rec)
             if rank == 0:
                 print(f"  {op:8} rep {rep} {method:10} {dt:7.3f} s  +{peak.extra / _MiB:7.1f} MiB"
@@ -264,9 +273,9 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
         m = merged.setdefault(key, {k: v for k, v in r.items() if k != "rank"})
         m["seconds"] = max(m["seconds"], r["seconds"])
         m["extra_rss"] = max(m["extra_rss"], r["extra_rss"])
-        for f in ("planning_s", "hooks_s"):
+        for f in ("planning_s", "hooks_s", "write_s", "finish_s"):
             if r.get(f) is not None:
-                m[f] = max(m[f], r[f])
+                m[f] = max(m[f], r[f]) if m.get(f) is not None else r[f]
         if r["ok"] is not None:
             m["ok"] = bool(m["ok"]) and r["ok"]
     out: dict[str, dict[str, dict]] = {}
@@ -277,7 +286,7 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
         row["extra_rss"].append(r["extra_rss"])
         if r.get("planning_s") is not None:
             row["planning_s"].append(r["planning_s"])
-        for f in ("hooks_s", "load_s"):
+        for f in ("hooks_s", "write_s", "finish_s", "load_s"):
             if r.get(f) is not None:
                 row.setdefault(f, []).append(r[f])
         row["ok"] = row["ok"] and r["ok"] is not False
@@ -286,7 +295,7 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
             row["seconds"] = median(row["seconds"])
             row["extra_rss"] = median(row["extra_rss"])
             row["planning_s"] = median(row["planning_s"]) if row["planning_s"] else None
-            for f in ("hooks_s", "load_s"):
+            for f in ("hooks_s", "write_s", "finish_s", "load_s"):
                 if f in row:
                     row[f] = median(row[f])
     return out
@@ -304,6 +313,7 @@ def ratio_lines(summary: dict[str, dict[str, dict]], total: int) -> list[str]:
         if op == "save":
             plan = rows["plugin"]["planning_s"]
             line += f" planning_s={plan:.4f} planning_share={100 * plan / p:.1f}% hooks_s={rows['plugin']['hooks_s']:.4f}"
+            line += f" write_s={rows['plugin']['write_s']:.4f} finish_s={rows['plugin']['finish_s']:.4f}"
         lines.append(line)
     conv = summary.get("convert")
     if conv:

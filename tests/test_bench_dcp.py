@@ -16,7 +16,7 @@ ROWS = [(op, m) for op in ("save", "load", "reshard") for m in ("plugin", "dcp",
     ("convert", "convert"), ("convert", "dcp-load+save")]
 FIELDS = {
     "save": ("plugin_s", "dcp_s", "shardsafe_s", "plugin_vs_dcp", "plugin_vs_shardsafe", "planning_s", "planning_share",
-             "hooks_s"),
+             "hooks_s", "write_s", "finish_s"),
     "load": ("plugin_s", "dcp_s", "shardsafe_s", "plugin_vs_dcp", "plugin_vs_shardsafe"),
     "reshard": ("plugin_s", "dcp_s", "shardsafe_s", "plugin_vs_dcp", "plugin_vs_shardsafe"),
     "convert": ("convert_s", "convert_mib_s", "convert_rss_mib", "baseline_s", "baseline_mib_s", "baseline_load_s", "baseline_rss_mib",
