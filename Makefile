@@ -72,3 +72,9 @@ bench-megatron: $(BENCH_STAMP)
 
 bench-megatron-quick: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_megatron.py --quick
+
+# DCP plugin and DCP import: dcp.save/dcp.load through our StorageWriter/StorageReader against
+# DCP's FileSystemWriter/FileSystemReader and Checkpointer, and shardsafe.dcp.convert
+.PHONY: bench-dcp
+bench-dcp: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_dcp.py --update-docs

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from math import prod
+from typing import Any
 
 from .._args import check_bool
 from ..engine.buffers import WriteBehind, byte_view
@@ -52,7 +53,11 @@ def convert(
     Tensors keep DCP's chunks (any layout loads them back). Non-tensor values are stored as JSON,
     tuples and the like as tagged JSON (``docs/format.md`` §13); other objects need
     ``allow_pickle=True``, and values that
-    torch's safe loader refuses are read at all only then. ``overwrite`` replaces a checkpoint
+    torch's safe loader refuses are read at all only then. A Lightning sharded folder's ``meta.pt``
+    (the rest of its checkpoint dict: epoch, loop, callback and scheduler state) is read with
+    ``torch.load(weights_only=True)`` (the full unpickler only with ``allow_pickle``) and stored as
+    one JSON value under ``"lightning.meta"``, where :func:`shardsafe.lightning.read_meta` finds it.
+    ``overwrite`` replaces a checkpoint
     committed at ``dst``; otherwise one there raises ``CheckpointExistsError`` before anything is
     written. ``progress``: ``True`` prints progress to stderr, a callable is called with
     ``(bytes done, bytes in all)`` after each chunk; by default progress is printed when stderr
@@ -71,6 +76,11 @@ def convert(
 
     values = {key: dcp_format.load_value(dcp_format.read_item(source, it), it, ckpt.where, allow_pickle=allow_pickle) for key, it in ckpt.values.items()}
     as_json, pickled = encode_tagged(values, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")
+    lightning = dcp_format.read_lightning_meta(
+        source, allow_pickle=allow_pickle, opt_in="pass allow_pickle=True to shardsafe.dcp.convert only if you trust this checkpoint"
+    )
+    if lightning is not None:  # a Lightning sharded folder: its loop state kept as shardsafe.lightning keeps it
+        as_json[_lightning_meta_key(values, ckpt.where)] = _encode_lightning_meta(lightning, source.url, allow_pickle)
 
     # every chunk's place in the new files, before anything is written
     save_id = uuid.uuid4().hex[:12]
@@ -148,6 +158,26 @@ def convert(
     out.close()
     log.info("%s: converted %d tensors, %d values, %d bytes from %s", out.url, len(tensors), len(values), total, ckpt.where)
     return meta
+
+
+def _lightning_meta_key(values: dict[str, Any], where: str) -> str:
+    from ..lightning._checkpoint import META_KEY
+
+    if META_KEY in values:
+        raise CorruptCheckpointError(
+            f"{where}: holds a value {META_KEY!r} and a Lightning {dcp_format.LIGHTNING_META_FILE} beside it, which would be "
+            f"stored under the same key; remove one of them before converting"
+        )
+    return META_KEY
+
+
+def _encode_lightning_meta(meta: dict[str, Any], url: str, allow_pickle: bool) -> Any:
+    """Lightning's checkpoint dict as the JSON value ``shardsafe.lightning.read_meta`` decodes."""
+    from ..lightning._checkpoint import _plain
+    from ..megatron._values import encode_value
+
+    where = f"{url.rstrip('/')}/{dcp_format.LIGHTNING_META_FILE}"
+    return encode_value(_plain(meta), where=where, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")
 
 
 def _progress(progress: bool | Callable[[int, int], None] | None, total: int, url: str) -> Callable[[int], None]:

@@ -315,3 +315,30 @@ def load_value(buf: bytearray, item: DcpItem, where: str, *, allow_pickle: bool)
         return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001
         raise CorruptCheckpointError(f"{name}: cannot read the stored value: {type(e).__name__}: {str(e)[:300]}") from None
+
+
+LIGHTNING_META_FILE = "meta.pt"  # Lightning's sharded save: the rest of the checkpoint dict, torch.save'd beside the DCP files
+
+
+def read_lightning_meta(storage: Storage, *, allow_pickle: bool, opt_in: str) -> dict[str, Any] | None:
+    """The dict in Lightning's ``meta.pt`` beside a DCP checkpoint (loop, callback and scheduler
+    state; ``None`` when there is no such file), read with ``torch.load(weights_only=True)``, or
+    with the full unpickler only with ``allow_pickle``. ``PickleNotAllowedError`` (its message
+    ending with ``opt_in``: how the caller opts in) for objects the safe loader refuses;
+    ``CorruptCheckpointError`` for a file that cannot be read or holds no dict."""
+    where = f"{storage.url.rstrip('/')}/{LIGHTNING_META_FILE}"
+    try:
+        raw = storage.read(LIGHTNING_META_FILE)
+    except FileNotFoundError:
+        return None
+    try:
+        value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=not allow_pickle)
+    except Exception as e:  # noqa: BLE001 - torch's safe unpickler raises UnpicklingError, or others for a damaged file
+        if allow_pickle or "weights_only" not in str(e):
+            raise CorruptCheckpointError(f"{where}: cannot be read: {type(e).__name__}: {str(e)[:300]}") from None
+        raise PickleNotAllowedError(
+            f"{where}: holds objects torch's safe loader refuses ({str(e).splitlines()[0][:200]}); {opt_in}"
+        ) from None
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{where}: Lightning's checkpoint dict expected, found a {type(value).__name__}")
+    return value

@@ -177,22 +177,12 @@ def _consolidate_lightning_dcp_folder(path: str, allow_pickle: bool) -> dict[str
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from ..dcp import StorageReader
+    from ..dcp.dcp_format import read_lightning_meta
 
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=StorageReader(path, allow_pickle=allow_pickle), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    meta_file = os.path.join(path, LIGHTNING_META_FILE)
-    if os.path.isfile(meta_file):
-        try:
-            state.update(torch.load(meta_file, map_location="cpu", weights_only=not allow_pickle))
-        except Exception as e:  # noqa: BLE001 - torch's safe unpickler raises UnpicklingError, or others for a damaged file
-            from ..errors import PickleNotAllowedError
-
-            if allow_pickle or "weights_only" not in str(e):
-                raise CorruptCheckpointError(f"{meta_file}: cannot be read: {type(e).__name__}: {str(e)[:300]}") from None
-            raise PickleNotAllowedError(
-                f"{meta_file}: holds objects torch's safe loader refuses ({str(e).splitlines()[0][:200]}); pass "
-                "allow_pickle=True to shardsafe.lightning.consolidate only if you trust this checkpoint"
-            ) from None
+    opt_in = "pass allow_pickle=True to shardsafe.lightning.consolidate only if you trust this checkpoint"
+    state.update(read_lightning_meta(open_storage(path), allow_pickle=allow_pickle, opt_in=opt_in) or {})
     if "state_dict" not in state and "model" in state:  # FSDPStrategy's and Fabric's name for the model
         state["state_dict"] = state.pop("model")
     optims = sorted((k for k in state if re.fullmatch(r"optimizer_[0-9]+", k)), key=lambda k: int(k.split("_")[1]))
