@@ -837,3 +837,14 @@ def test_public_arguments_of_the_wrong_type_are_named(tmp_path):
         with pytest.raises(TypeError, match=pattern):
             call()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_missing_model_state_names_the_url_of_an_opened_storage(tmp_path):
+    from shardsafe.storage import open_storage
+
+    d = str(tmp_path / "c")
+    shardsafe.Checkpointer().save(d, {"w": torch.ones(2), "step": 1})
+    storage = open_storage(d)
+    with pytest.raises(shardsafe.MissingKeyError, match=rf"^{storage.url}: no model state in the checkpoint") as info:
+        shardsafe.unshard_model_state(storage)
+    assert "object at 0x" not in str(info.value)

@@ -206,7 +206,12 @@ def _unshard_prefix(
     try:
         return ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix=prefix), comm
     except MissingKeyError as e:
-        raise MissingKeyError(f"{dir}: {what}: {e}") from None
+        raise MissingKeyError(f"{storage.url}: {what}: {e}") from None  # the URL: ``dir`` may be a Storage
+
+
+def _where(dir: Location) -> str:
+    """``dir`` for messages: its URL when it is an opened Storage, else as given."""
+    return str(getattr(dir, "url", dir))
 
 
 def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool, flag: str = "validate") -> None:
@@ -271,10 +276,10 @@ def unshard_optim_state(
     groups = flat.pop(name, None)
     if groups is None:  # written by DCP (get_state_dict): param_groups.<i>.<field>
         dotted = {k: flat.pop(k) for k in [k for k in flat if k.startswith(name + ".")]}
-        groups = dotted_param_groups(dotted, name + ".", str(dir))
+        groups = dotted_param_groups(dotted, name + ".", _where(dir))
     if groups is None:
-        raise CheckpointError(f"{dir}: no optimizer state in the checkpoint (no {GROUPS_KEY!r})")
-    groups = check_param_groups(groups, str(dir))
+        raise CheckpointError(f"{_where(dir)}: no optimizer state in the checkpoint (no {GROUPS_KEY!r})")
+    groups = check_param_groups(groups, _where(dir))
     fqns = {f for g in groups for f in g["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
