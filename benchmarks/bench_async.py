@@ -90,7 +90,7 @@ from statistics import median
 from typing import Any
 
 from iobench.harness import PeakRSS, _rss, run_ranks_collect, trim_heap
-from iobench.report import machine
+from iobench.report import machine, replace_section
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MiB = 1 << 20
@@ -536,13 +536,7 @@ def markdown(summary: dict[int, dict[str, dict]], info: dict, config: dict) -> s
 
 def update_docs(doc: str, table: str) -> None:
     """Replace the generated part of the async section of ``doc`` (between its markers)."""
-    text = open(doc).read() if os.path.exists(doc) else "# Benchmarks\n"
-    if BEGIN not in text or END not in text:
-        text += f"\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with open(doc, "w") as f:
-        f.write(f"{head}{BEGIN}\n{table}{END}{tail}")
+    replace_section(doc, BEGIN, END, table)
 
 
 # ---------------------------------------------------------------- main

@@ -43,6 +43,7 @@ _REPO = os.path.dirname(_HERE)
 sys.path.insert(0, _HERE)
 
 from iobench.harness import run_ranks_collect  # noqa: E402
+from iobench.report import replace_section  # noqa: E402
 
 METHODS = ("shardsafe", "shardsafe-fp", "megatron", "megatron-fp")
 OPS = ("save", "load", "reshard")
@@ -308,15 +309,9 @@ def table(summary: dict[str, dict[str, dict]], cfg: Config, total_bytes: int) ->
     return "\n".join(lines) + "\n"
 
 
-def update_docs(doc: str, text: str) -> None:
+def update_docs(doc: str, table: str) -> None:
     """Replace the generated part of the Megatron section of ``doc`` (between its markers)."""
-    body = open(doc).read()
-    if BEGIN not in body or END not in body:
-        body += f"\n{BEGIN}\n{END}\n"
-    head, rest = body.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with open(doc, "w") as f:
-        f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+    replace_section(doc, BEGIN, END, table)
 
 
 def main(argv: list[str] | None = None) -> int:

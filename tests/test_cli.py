@@ -20,6 +20,7 @@ from shardsafe import Checkpointer, DtypeMismatchError, MissingKeyError, ShapeMi
 from shardsafe.cli import main, parse_size
 
 from .distributed import run_ranks
+from .terminal import on_a_pty
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
@@ -581,26 +582,7 @@ def test_progress_bar_on_a_terminal_only(ckpt, capsys):
     assert "unshard_to_safetensors" in capsys.readouterr().err  # the tqdm bar, drawn on stderr
     assert main(["verify", str(ckpt)]) == 0
     assert capsys.readouterr().err == ""  # stderr is not a terminal here: no bar
-    import fcntl
-    import struct
-    import termios
-
-    primary, secondary = os.openpty()
-    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide: tqdm draws nothing
-    try:
-        r = subprocess.run([sys.executable, "-m", "shardsafe", "verify", str(ckpt)], stdout=subprocess.PIPE, stderr=secondary, env=ENV, timeout=120)
-        os.close(secondary)
-        err = b""
-        while True:
-            try:
-                chunk = os.read(primary, 1 << 16)
-            except OSError:  # EIO: the other side is closed and drained
-                break
-            if not chunk:
-                break
-            err += chunk
-    finally:
-        os.close(primary)
+    r, err = on_a_pty([sys.executable, "-m", "shardsafe", "verify", str(ckpt)], ENV)
     assert r.returncode == 0 and r.stdout == b"OK: 1 file(s), 3 chunk(s), 174 bytes checked\n"
     assert b"\rverify:   0%|" in err and b"/174 [" in err  # tqdm: bytes done / total, rate, ETA
 

@@ -4,12 +4,8 @@ real pseudo-terminal, and on 2 gloo ranks)."""
 
 from __future__ import annotations
 
-import fcntl
-import os
-import struct
 import subprocess
 import sys
-import termios
 
 import pytest
 import torch
@@ -18,6 +14,7 @@ import shardsafe
 from shardsafe import Checkpointer
 
 from .distributed import run_ranks
+from .terminal import on_a_pty
 from .test_cli import ENV, _hf_file, _model
 
 
@@ -65,24 +62,7 @@ print(sd["step"])
 
 
 def _on_a_pty(args: list[str]) -> tuple[subprocess.CompletedProcess, bytes]:
-    """Run ``args`` with stderr on a 100-column pseudo-terminal; (result, what stderr got)."""
-    primary, secondary = os.openpty()
-    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide: tqdm draws nothing
-    try:
-        r = subprocess.run(args, stdout=subprocess.PIPE, stderr=secondary, env=ENV, timeout=120)
-        os.close(secondary)
-        err = b""
-        while True:
-            try:
-                chunk = os.read(primary, 1 << 16)
-            except OSError:  # EIO: the other side is closed and drained
-                break
-            if not chunk:
-                break
-            err += chunk
-    finally:
-        os.close(primary)
-    return r, err
+    return on_a_pty(args, ENV)
 
 
 def test_progress_bar_on_a_terminal(tmp_path):

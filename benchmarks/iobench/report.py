@@ -252,11 +252,15 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 def update_docs(doc: str, table: str, chart_rel: str) -> None:
     """Replace the generated part of ``doc`` (between the markers) with ``table`` and the chart."""
-    text = open(doc).read() if os.path.exists(doc) else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        text += f"\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    body = f"{BEGIN}\n{table}\n![throughput per operation and method]({chart_rel})\n{END}"
+    replace_section(doc, BEGIN, END, f"{table}\n![throughput per operation and method]({chart_rel})\n")
+
+
+def replace_section(doc: str, begin: str, end: str, body: str) -> None:
+    """Put ``body`` between the ``begin`` and ``end`` markers of ``doc`` (appended if it has none)."""
+    text = open(doc).read() if os.path.exists(doc) else "# Benchmarks\n"
+    if begin not in text or end not in text:
+        text += f"\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
     with open(doc, "w") as f:
-        f.write(head + body + tail)
+        f.write(f"{head}{begin}\n{body}{end}{tail}")
