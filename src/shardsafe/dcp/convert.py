@@ -20,8 +20,8 @@ from typing import Any
 
 from .._args import check_bool
 from ..engine.buffers import WriteBehind, byte_view
+from ..engine.commit import CommitUnknownError, committed_version, put_metadata, sweep
 from ..engine.objects import encode_tagged
-from ..engine.writer import _committed_version, _CommitUnknownError, _put_metadata, _sweep
 from ..errors import CheckpointExistsError, CorruptCheckpointError, ShardingError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
 from ..format.dtypes import SAFETENSORS_CODE, dtype_name
@@ -70,7 +70,7 @@ def convert(
     ckpt = dcp_format.read_dcp_checkpoint(source)
     out = open_storage(dst)
     listed = out.list()
-    seen = _committed_version(out)
+    seen = committed_version(out)
     if seen is not None and not overwrite:
         raise CheckpointExistsError(f"{out.url}: a checkpoint is already committed there; pass overwrite=True to replace it")
 
@@ -142,8 +142,8 @@ def convert(
             objects=as_json,
             pickled_objects=pickled,
         )
-        _put_metadata(out, meta.to_json(), seen=seen, save_overwrite=overwrite)
-    except _CommitUnknownError:
+        put_metadata(out, meta.to_json(), seen=seen, save_overwrite=overwrite)
+    except CommitUnknownError:
         raise
     except BaseException:
         for name in written:
@@ -154,7 +154,7 @@ def convert(
         raise
     finally:
         source.close()
-    _sweep(out, listed, keep=meta.data_files())
+    sweep(out, listed, keep=meta.data_files())
     out.close()
     log.info("%s: converted %d tensors, %d values, %d bytes from %s", out.url, len(tensors), len(values), total, ckpt.where)
     return meta

@@ -41,8 +41,8 @@ from torch.futures import Future
 
 from .._args import check_bool
 from ..engine.buffers import WriteBehind, byte_view
+from ..engine.commit import CommitUnknownError, committed_version, put_metadata, sweep
 from ..engine.objects import encode_tagged, merge_rank_objects
-from ..engine.writer import _committed_version, _CommitUnknownError, _put_metadata, _sweep
 from ..errors import CheckpointError, CheckpointExistsError, DtypeMismatchError, ShapeMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
 from ..format.dtypes import SAFETENSORS_CODE, dtype_name
@@ -163,8 +163,8 @@ class StorageWriter(_DcpStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         storage = self._open()
-        self._listed = storage.list()  # before this save writes anything (see engine.writer._sweep)
-        self._seen = _committed_version(storage)
+        self._listed = storage.list()  # before this save writes anything (see engine.commit.sweep)
+        self._seen = committed_version(storage)
         if not self.overwrite and (self._seen is not None or DCP_METADATA in self._listed):
             kind = "shardsafe checkpoint" if self._seen is not None else "torch.distributed.checkpoint checkpoint"
             raise CheckpointExistsError(
@@ -202,8 +202,8 @@ class StorageWriter(_DcpStorageWriter):
         try:
             meta = self._metadata(metadata, results)
             raw = meta.to_json()
-            _put_metadata(storage, raw, seen=self._seen, save_overwrite=self.overwrite)
-        except _CommitUnknownError:
+            put_metadata(storage, raw, seen=self._seen, save_overwrite=self.overwrite)
+        except CommitUnknownError:
             raise  # the data files stay: a metadata.json naming them may have been committed
         except BaseException:
             for name in written:  # leave nothing of a failed save behind
@@ -212,7 +212,7 @@ class StorageWriter(_DcpStorageWriter):
                 except StorageError as e:
                     log.warning("%s: removing a data file of a failed save failed: %s", storage.url, e)
             raise
-        _sweep(storage, self._listed, keep=meta.data_files())
+        sweep(storage, self._listed, keep=meta.data_files())
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._url())

@@ -12,13 +12,12 @@ The commit is a compare-and-swap: it replaces ``metadata.json`` only if it is st
 the coordinator read when planning (or creates it only if there was none), so of two saves
 racing to one location at most one commits. After committing, the coordinator removes the
 earlier saves' files that were listed before the commit and that the new metadata does not name
-(see :func:`_sweep` for why none of them can be named by a committed checkpoint).
+(see :func:`.commit.sweep` for why none of them can be named by a committed checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
@@ -44,14 +43,13 @@ from ..storage import Storage
 from . import plan_cache
 from .background import AsyncSave, before_save, run_in_background
 from .buffers import WriteBehind
+from .commit import CommitUnknownError, committed_version, put_metadata, sweep
 from .objects import encode_objects, merge_rank_objects
 from .staging import RINGS, RingAborted, Unit, UnitQueue, live_units, stage, stage_pieces
 
 __all__ = ["async_save_state", "save_state"]
 
 log = logging.getLogger(__name__)
-_OUR_FILES = re.compile(r"^shard-r\d+-[0-9a-f]+\.safetensors$")
-_OUR_TEMP_FILES = re.compile(r"^metadata\.json\.tmp-[0-9a-f]{32}$")  # LocalStorage.put_atomic's, left by a crash
 
 
 def save_state(
@@ -244,8 +242,8 @@ def _prepare(
                 plan_cache.count("resend")
                 return [None] * comm.world_size
         descs = [g.descs if g.descs is not None else cached.descs[r] for r, g in enumerate(gathered)]  # type: ignore[index]
-        state["listed"] = storage.list()  # before this save writes anything: see _sweep
-        state["seen"] = _committed_version(storage)
+        state["listed"] = storage.list()  # before this save writes anything: see commit.sweep
+        state["seen"] = committed_version(storage)
         if not save_overwrite and state["seen"] is not None:
             raise CheckpointExistsError(
                 f"{storage.url}: a checkpoint is already committed there; pass save_overwrite=True to replace it"
@@ -308,15 +306,15 @@ def _finish(
             with paused_gc():
                 meta = _build_metadata(state["plan"], written, state["objects"], knobs.checksum_block_bytes)  # type: ignore[union-attr]
             raw = meta.to_json()
-            _put_metadata(storage, raw, seen=state["seen"], save_overwrite=save_overwrite)
-        except _CommitUnknownError:
+            put_metadata(storage, raw, seen=state["seen"], save_overwrite=save_overwrite)
+        except CommitUnknownError:
             raise  # the data files stay: a metadata.json naming them may have been committed
         except BaseException:
             _remove_save_files(storage, save_id, comm.world_size)  # leave nothing of a failed save behind
             raise
         state["meta"] = meta  # committed: from here on the save has succeeded, whatever else fails
         _log_commit(storage.url, meta, comm.world_size, time.monotonic() - state["started"])
-        _sweep(storage, state["listed"], keep=meta.data_files())
+        sweep(storage, state["listed"], keep=meta.data_files())
         return raw if want_meta else b""
 
     try:
@@ -349,72 +347,6 @@ def _log_commit(url: str, meta: StorageMetadata, ranks: int, seconds: float) -> 
         url, len(meta.tensors), len(meta.objects) + len(meta.pickled_objects), nbytes, ranks, seconds, nbytes / max(seconds, 1e-9) / 1e9,
     )
     log.debug("save %s: files %s", url, sorted(meta.data_files()))
-
-
-class _CommitUnknownError(StorageError):
-    """The store failed the commit and whether ``metadata.json`` is now this save's is unknown."""
-
-
-def _committed_version(storage: Storage) -> str | None:
-    """The version token of the committed ``metadata.json``, or None if there is none."""
-    try:
-        return storage.read_versioned(METADATA_FILENAME)[1]
-    except FileNotFoundError:
-        return None
-
-
-def _put_metadata(storage: Storage, raw: bytes, *, seen: str | None, save_overwrite: bool) -> None:
-    """Commit ``raw`` as ``metadata.json`` if that is still version ``seen`` (absent if None).
-
-    Raises ``CheckpointExistsError`` if another save committed first. If the store reports an
-    error, the outcome is read back: a ``metadata.json`` equal to ``raw`` is this save's commit
-    (success); when that cannot be read either, ``_CommitUnknownError``.
-    """
-    try:
-        storage.put_atomic(METADATA_FILENAME, raw, overwrite=seen is not None, if_match=seen)
-        return
-    except FileExistsError:
-        hint = "" if save_overwrite else "; pass save_overwrite=True to replace it"
-        raise CheckpointExistsError(
-            f"{storage.url}: another save committed a checkpoint there while this one ran, so this one did not commit "
-            f"(a save commits only over the {METADATA_FILENAME} it found when it started, so that of two racing saves "
-            f"one wins); this save's data files were removed{hint}"
-        ) from None
-    except StorageError as e:
-        failed = e
-    try:
-        now = storage.read(METADATA_FILENAME)
-    except FileNotFoundError:
-        now = None
-    except CheckpointError as e:
-        raise _CommitUnknownError(
-            f"{storage.url}: committing {METADATA_FILENAME} failed ({failed}) and reading it back failed too ({e}): "
-            "whether this save committed is unknown, so its data files were left in place; load the checkpoint to "
-            "find out (the next save there removes them if they are not committed)"
-        ) from failed
-    if now != raw:
-        raise failed
-    log.warning("%s: the store reported an error (%s) but %s is this save's: committed", storage.url, failed, METADATA_FILENAME)
-
-
-def _sweep(storage: Storage, listed: list[str], *, keep: set[str]) -> None:
-    """After this save committed, remove the files of earlier saves: the data files and commit
-    temporaries in ``listed`` (taken while planning, before any of this save's files existed)
-    that the new metadata does not name.
-
-    None of them can be named by a committed ``metadata.json``, now or later: each was written
-    by a save that read the committed version before writing it, so before this save's commit.
-    Had that save committed since this one read the version, this one's compare-and-swap would
-    have failed; it has not, and it no longer can, because the version it expects is gone.
-    What remains is the checkpoint this save replaced and leftovers of failed or crashed saves.
-    Files that appear after the listing (a save that started later) are never touched.
-    """
-    try:
-        for name in listed:
-            if (_OUR_FILES.fullmatch(name) or _OUR_TEMP_FILES.fullmatch(name)) and name not in keep:
-                storage.delete(name)
-    except (CheckpointError, OSError) as e:  # the save is committed: a failed clean-up must not undo that
-        log.warning("%s: checkpoint committed, but removing the previous save's files failed: %s", storage.url, e)
 
 
 class _RankDescription(NamedTuple):
@@ -517,8 +449,4 @@ def _build_metadata(
         objects=objects[0],
         pickled_objects=objects[1],
     )
-
-
-def is_our_data_file(name: str) -> bool:
-    return bool(_OUR_FILES.fullmatch(name))
 
