@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardsafe.adapters import describe_state
-from shardsafe.engine.staging import StagingRing, live_units, stage
+from shardsafe.engine.staging import StagingRing, aligned, live_units, stage
 from shardsafe.engine.writer import _build_metadata, _unit_bytes, _write_file
 from shardsafe.format.metadata import METADATA_FILENAME, StorageMetadata
 from shardsafe.knobs import KNOBS
@@ -36,7 +36,7 @@ def simulate_save(
 def _units(items, local, knobs, staged: bool):
     if not staged:
         return live_units(items, local, _unit_bytes(knobs, None))
-    ring = StagingRing(max(64, sum(-(-(it.byte_range[1] - it.byte_range[0]) // 64) * 64 for it in items)), pinned=False)
+    ring = StagingRing(max(64, sum(aligned(it.byte_range[1] - it.byte_range[0]) for it in items)), pinned=False)
     units: list = []
     stage(items, local, ring, _unit_bytes(knobs, ring.capacity), units.append)
     return units

@@ -26,9 +26,14 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["RINGS", "RingAborted", "StagingRing", "Unit", "UnitQueue", "live_units", "stage", "stage_pieces"]
+__all__ = ["RINGS", "RingAborted", "aligned", "StagingRing", "Unit", "UnitQueue", "live_units", "stage", "stage_pieces"]
 
 _ALIGN = 64  # every unit starts on a 64-byte boundary: any dtype may view it
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the staging alignment: the room a piece takes in a buffer."""
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 @dataclass(slots=True)
@@ -80,7 +85,7 @@ class StagingRing:
     def alloc(self, nbytes: int, *, wait: bool = True) -> int:
         """The offset of ``nbytes`` free bytes (aligned); waits until the consumer frees enough
         (or, with ``wait=False``, raises ``ValueError`` when they are not free now)."""
-        n = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        n = aligned(max(nbytes, 1))
         if n > self.capacity:
             raise ValueError(f"a staging unit of {nbytes} bytes does not fit the {self.capacity}-byte staging buffer")
         with self._cond:
@@ -161,8 +166,7 @@ def stage(items: tuple[Any, ...], local: dict[str, Any], ring: StagingRing, bloc
         check_size(item, data)
         nbytes = data.numel() * data.element_size()
         if data.device.type == "cuda" and stream is None:
-            stream = torch.cuda.Stream(device=data.device)
-            stream.wait_stream(torch.cuda.current_stream(data.device))  # the state as the caller's stream left it
+            stream = _side_stream(data.device)
         if nbytes == 0:
             put(Unit(j, memoryview(b"")))
             continue
@@ -178,6 +182,14 @@ def stage(items: tuple[Any, ...], local: dict[str, Any], ring: StagingRing, bloc
             _copy_unit(ring, j, part, part.numel(), stream, put)
     if stream is not None:
         stream.synchronize()
+
+
+def _side_stream(device: torch.device) -> Any:
+    """A CUDA stream for staging copies that starts where the caller's stream is (so the copies
+    see the state as the caller's queued work leaves it)."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
 
 
 def _copy_unit(ring: StagingRing, j: int, src: torch.Tensor, nbytes: int, stream: Any, put: Callable[[Unit], None]) -> None:
@@ -222,7 +234,7 @@ def stage_pieces(tensors: list[Any], ring: StagingRing) -> list[Any]:
                 whole = typed[v.dtype] = buf.view(v.dtype)
             start = pos // size  # pos is a multiple of 64: of every element size
             dst = whole[start : start + numel].view(v.shape)
-            pos += -(-nbytes // _ALIGN) * _ALIGN
+            pos += aligned(nbytes)
             if v.device.type == "cuda":
                 cuda.append((dst, v))
             else:
@@ -233,8 +245,7 @@ def stage_pieces(tensors: list[Any], ring: StagingRing) -> list[Any]:
     if dsts:
         torch._foreach_copy_(dsts, srcs)
     if cuda:
-        stream = torch.cuda.Stream(device=cuda[0][1].device)
-        stream.wait_stream(torch.cuda.current_stream(cuda[0][1].device))
+        stream = _side_stream(cuda[0][1].device)
         with torch.cuda.stream(stream):
             for dst, v in cuda:
                 dst.copy_(v, non_blocking=True)
@@ -310,7 +321,7 @@ class _RingPool:
             elif self._free and any(r.pinned == pinned for r in self._free):
                 self._free.remove(next(r for r in self._free if r.pinned == pinned))  # too small: dropped first
         if ring is None:
-            ring = StagingRing(-(-nbytes // _ALIGN) * _ALIGN, pinned=pinned)
+            ring = StagingRing(aligned(nbytes), pinned=pinned)
         ring.reset()
         return ring
 

@@ -45,7 +45,7 @@ from .background import AsyncSave, before_save, run_in_background
 from .buffers import WriteBehind
 from .commit import CommitUnknownError, committed_version, put_metadata, sweep
 from .objects import encode_objects, merge_rank_objects
-from .staging import RINGS, RingAborted, Unit, UnitQueue, live_units, stage, stage_pieces
+from .staging import RINGS, RingAborted, Unit, UnitQueue, aligned, live_units, stage, stage_pieces
 
 __all__ = ["async_save_state", "save_state"]
 
@@ -85,7 +85,7 @@ def async_save_state(
     total, pinned = 0, False
     for t in tensors:
         for v in t.views:
-            total += -(-(v.numel() * v.element_size()) // 64) * 64
+            total += aligned(v.numel() * v.element_size())
             pinned = pinned or v.device.type == "cuda"
     if total > knobs.async_staging_bytes:
         comm.arrive(knobs.collective_timeout_s)
@@ -126,10 +126,6 @@ def async_save_state(
     return run_in_background(storage.url, produce, consume, name="shardsafe-save")
 
 
-def _aligned(n: int) -> int:
-    return -(-n // 64) * 64
-
-
 def _async_save_in_parts(
     storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, allow_pickle: bool, comm: Comm, side: Comm,
     knobs: Knobs, result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None, want_meta: bool,
@@ -139,7 +135,7 @@ def _async_save_in_parts(
     frees it."""
     p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
     items = p.mine.items
-    total = sum(_aligned(it.byte_range[1] - it.byte_range[0]) for it in items)
+    total = sum(aligned(it.byte_range[1] - it.byte_range[0]) for it in items)
     pinned = any(p.local[it.key].views[it.piece_index].device.type == "cuda" for it in items)
     # at least two checksum blocks, whatever the budget: a unit is whole blocks (but the last of an item)
     ring = RINGS.acquire(min(total, max(knobs.async_staging_bytes, 2 * knobs.checksum_block_bytes)), pinned=pinned)
