@@ -55,15 +55,16 @@ from ..format.metadata import METADATA_FILENAME, StorageMetadata
 from ..knobs import KNOBS, Knobs
 from ..planning.read_plan import ReadItem as OurReadItem
 from ..planning.read_plan import StoredIndex
-from ..storage import Location, Storage, open_storage
+from ..storage import Location
 from ..storage.base import DCP_METADATA
 from . import dcp_format
+from ._location import Located
 from .values import dcp_leaves, get_path, torch_saved
 
 __all__ = ["StorageReader"]
 
 
-class StorageReader(_DcpStorageReader):
+class StorageReader(Located, _DcpStorageReader):
     """A ``torch.distributed.checkpoint`` storage reader for shardsafe checkpoints and DCP's own.
 
     ``dcp.load(state_dict, storage_reader=shardsafe.dcp.StorageReader(path))`` on every rank
@@ -75,16 +76,14 @@ class StorageReader(_DcpStorageReader):
     refused with ``PickleNotAllowedError`` otherwise.
     """
 
+    _name, _dcp_call = "shardsafe.dcp.StorageReader", "dcp.load"
+
     def __init__(self, path: Location | None = None, *, allow_pickle: bool = False, knobs: Knobs | None = None, **storage_options: Any) -> None:
         super().__init__()
         check_bool("shardsafe.dcp.StorageReader", "allow_pickle", allow_pickle)
-        if path is not None and not isinstance(path, (str, os.PathLike)) and storage_options:
-            raise TypeError("shardsafe.dcp.StorageReader: storage options apply to a URL, not to a Storage already opened")
+        self._set_location(path, storage_options)
         self.allow_pickle = allow_pickle
         self.knobs = knobs or KNOBS
-        self._location = path
-        self._options = storage_options
-        self._storage: Storage | None = None
         self._ours: _OurCheckpoint | None = None
         self._dcp: dcp_format.DcpCheckpoint | None = None
         self.load_id = uuid.uuid4().hex
@@ -92,11 +91,7 @@ class StorageReader(_DcpStorageReader):
     # -- DCP's interface ------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id:
-            if self._storage is not None:
-                self._storage.close()
-            self._location = checkpoint_id
-            self._storage = None
+        self._relocate(checkpoint_id)
         self._ours = self._dcp = None
         self.load_id = uuid.uuid4().hex
 
@@ -150,22 +145,13 @@ class StorageReader(_DcpStorageReader):
 
     @property
     def checkpoint_id(self) -> str:
-        if self._storage is not None:
-            return self._storage.url
-        return str(self._location) if isinstance(self._location, (str, os.PathLike)) else getattr(self._location, "url", "?")
+        return self._url()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     # -- the work --------------------------------------------------------------------------------
-
-    def _open(self) -> Storage:
-        if self._storage is None:
-            if self._location is None:
-                raise CheckpointError("shardsafe.dcp.StorageReader has no location: pass a path to it, or checkpoint_id= to dcp.load")
-            self._storage = open_storage(self._location, **self._options)
-        return self._storage
 
     def _read_ours(self, ckpt: _OurCheckpoint, plan: LoadPlan, planner: LoadPlanner) -> None:
         storage = self._open()

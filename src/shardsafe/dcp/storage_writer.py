@@ -52,8 +52,9 @@ from ..format.safetensors_file import FileEntry, layout_file
 from ..knobs import KNOBS, Knobs
 from ..planning.geometry import check_tiling
 from ..planning.save_plan import _entry_name, data_file_name
-from ..storage import Location, Storage, open_storage
+from ..storage import Location
 from ..storage.base import DCP_METADATA
+from ._location import Located
 from .values import value_of
 
 __all__ = ["StorageWriter"]
@@ -94,7 +95,7 @@ class _StoredValue:
     pickled: dict[str, str]
 
 
-class StorageWriter(_DcpStorageWriter):
+class StorageWriter(Located, _DcpStorageWriter):
     """A ``torch.distributed.checkpoint`` storage writer that writes shardsafe checkpoints.
 
     ``dcp.save(state_dict, storage_writer=shardsafe.dcp.StorageWriter(path))`` on every rank
@@ -115,6 +116,8 @@ class StorageWriter(_DcpStorageWriter):
     checkpoint is committed by one ``metadata.json``.
     """
 
+    _name, _dcp_call = "shardsafe.dcp.StorageWriter", "dcp.save"
+
     def __init__(
         self,
         path: Location | None = None,
@@ -127,24 +130,16 @@ class StorageWriter(_DcpStorageWriter):
         super().__init__()
         check_bool("shardsafe.dcp.StorageWriter", "overwrite", overwrite)
         check_bool("shardsafe.dcp.StorageWriter", "allow_pickle", allow_pickle)
-        if path is not None and not isinstance(path, (str, os.PathLike)) and storage_options:
-            raise TypeError("shardsafe.dcp.StorageWriter: storage options apply to a URL, not to a Storage already opened")
+        self._set_location(path, storage_options)
         self.overwrite = overwrite
         self.allow_pickle = allow_pickle
         self.knobs = knobs or KNOBS
-        self._location = path
-        self._options = storage_options
-        self._storage: Storage | None = None
         self._reset_save()
 
     # -- DCP's interface ------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id:
-            if self._storage is not None:
-                self._storage.close()
-            self._location = checkpoint_id
-            self._storage = None
+        self._relocate(checkpoint_id)
         self._reset_save()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -232,20 +227,6 @@ class StorageWriter(_DcpStorageWriter):
         self._listed: list[str] = []
         self._seen: str | None = None
         self._save_id: str | None = None
-
-    def _url(self) -> str:
-        if self._storage is not None:
-            return self._storage.url
-        return str(self._location) if isinstance(self._location, (str, os.PathLike)) else getattr(self._location, "url", "?")
-
-    def _open(self) -> Storage:
-        if self._storage is None:
-            if self._location is None:
-                raise CheckpointError(
-                    "shardsafe.dcp.StorageWriter has no location: pass a path to it, or checkpoint_id= to dcp.save"
-                )
-            self._storage = open_storage(self._location, **self._options)
-        return self._storage
 
     def _value_result(self, item: WriteItem, planner: SavePlanner) -> WriteResult:
         key = item.index.fqn
