@@ -231,6 +231,41 @@ def test_a_rank_that_calls_after_the_others_gave_up_fails_at_once(tmp_path):
     assert waited1 < 2.0
 
 
+def _crossed_arrivals(rank, ws):
+    """Each rank checks in on two groups at once, from two threads, in the opposite order to the
+    other rank: rank 0's thread first, rank 1's caller first (an async save's background commit
+    beside the caller's next call)."""
+    import torch.distributed as dist
+
+    from shardsafe.dist import Comm
+
+    side = dist.new_group([0, 1], backend="gloo")
+    outcome: dict[str, str] = {}
+
+    def arrive(name, group, delay):
+        time.sleep(delay)
+        try:
+            Comm(group, call=f"test.{name}").arrive(5.0)
+            outcome[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            outcome[name] = f"{type(e).__name__}: {e}"
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=arrive, args=("side", side, 0.0 if rank == 0 else 0.3))
+    thread.start()
+    arrive("world", dist.group.WORLD, 0.3 if rank == 0 else 0.0)
+    thread.join()
+    return outcome, time.monotonic() - t0
+
+
+def test_two_threads_of_a_rank_check_in_on_two_groups_at_once(tmp_path):
+    # one store client shared by both threads: each rank's blocked wait held up the check-in the
+    # other rank waited for, and both timed out (the next save after an async save hung in CI)
+    for rank, (outcome, took) in enumerate(run_ranks(2, _crossed_arrivals)):
+        assert outcome == {"side": "ok", "world": "ok"}, (rank, outcome)
+        assert took < 4.0, (rank, took)
+
+
 def _process_groups(rank, ws, root):
     """Ranks {0, 1} and {2, 3} each save and load with their own process group, at once."""
     import torch.distributed as dist
@@ -461,3 +496,18 @@ def test_processes_that_exit_right_after_a_load_never_abort(tmp_path, ws, runs):
 def test_save_and_load_agree_on_two_and_four_ranks(tmp_path):
     for ws in (2, 4):
         assert run_ranks(ws, _save_then_load, str(tmp_path / f"c{ws}")) == [True] * ws
+
+
+def test_a_store_that_cannot_be_cloned_is_polled_until_the_key_is_set_or_the_time_is_up():
+    import torch.distributed as dist
+
+    from shardsafe.dist import _wait_for_key
+
+    store = dist.HashStore()
+    threading.Timer(0.2, store.set, args=("k", "1")).start()
+    t0 = time.monotonic()
+    _wait_for_key(store, False, "k", 5.0)
+    assert store.check(["k"]) and 0.15 < time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    _wait_for_key(store, False, "never", 0.3)
+    assert not store.check(["never"]) and 0.3 <= time.monotonic() - t0 < 1.5

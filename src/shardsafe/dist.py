@@ -28,10 +28,12 @@ from __future__ import annotations
 import logging
 import pickle
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -398,21 +400,18 @@ class Comm:
         _ARRIVALS[group_name] = seq + 1
         base = f"shardsafe/arrive/{group_name}/{seq}"
         try:
-            store = dist.distributed_c10d._get_default_store()
-            store.append(f"{base}/who", f"{self.rank}={self.call};")
-            if store.add(f"{base}/count", 1) == self.world_size:
-                store.compare_set(f"{base}/done", "", "ok")
-            try:
-                store.wait([f"{base}/done"], timedelta(seconds=max(timeout_s, 0.001)))  # 0 would mean the store's own
-            except RuntimeError:  # timed out: tell later ranks, unless the last one came just now
-                pass
-            verdict = store.compare_set(f"{base}/done", "", "timeout")
-            if verdict == b"ok":
-                if self.is_coordinator and seq > 0:  # every rank is past the previous check
-                    for key in ("who", "count", "done"):
-                        store.delete_key(f"shardsafe/arrive/{group_name}/{seq - 1}/{key}")
-                return
-            who = store.get(f"{base}/who").decode()
+            with _store_client() as (store, blocking):
+                store.append(f"{base}/who", f"{self.rank}={self.call};")
+                if store.add(f"{base}/count", 1) == self.world_size:
+                    store.compare_set(f"{base}/done", "", "ok")
+                _wait_for_key(store, blocking, f"{base}/done", timeout_s)
+                verdict = store.compare_set(f"{base}/done", "", "timeout")  # timed out: tell later ranks
+                if verdict == b"ok":
+                    if self.is_coordinator and seq > 0:  # every rank is past the previous check
+                        for key in ("who", "count", "done"):
+                            store.delete_key(f"shardsafe/arrive/{group_name}/{seq - 1}/{key}")
+                    return
+                who = store.get(f"{base}/who").decode()
         except RuntimeError as e:
             raise CollectiveError(
                 f"{self.call}: rank {self.global_rank} could not check in with the other ranks through the "
@@ -435,6 +434,57 @@ class Comm:
             what = f"rank(s) {missing} of the {self.world_size} rank(s) of the process group did not call it within {timeout_s:g} s"
         also = "".join(f"; rank {r} called {c} instead" for r, c in sorted(others.items()))
         return MissingRanksError(f"{self.call}: {what}{also}: {hint} (the wait is knobs.collective_timeout_s)")
+
+
+_STORE_LOCK = threading.Lock()
+_STORE_CLIENTS: list[tuple[Any, Any, bool]] = []  # (default store, a client of it, whether it may block), idle
+
+
+@contextmanager
+def _store_client() -> Iterator[tuple[Any, bool]]:
+    """A client of the process group's store that no other thread uses while the caller holds it,
+    and whether a blocking ``wait`` on it is safe.
+
+    A store client serializes its operations: a thread blocked in ``wait`` on the shared default
+    store holds up every other thread's store operation in this process. A background save checks
+    in from a thread of its own while the caller's thread may check in for its next call; with
+    one client, each rank's two waits could each hold up the one the other rank needs, and both
+    would wait out the whole timeout. So each thread checks in through a client of its own (a
+    ``clone`` of the store: one more connection per thread checking in at once, kept for reuse).
+    A store that cannot be cloned is shared and polled with ``check`` instead of waited on.
+    """
+    default = dist.distributed_c10d._get_default_store()
+    with _STORE_LOCK:
+        if _STORE_CLIENTS and _STORE_CLIENTS[0][0] is not default:  # a new default process group
+            _STORE_CLIENTS.clear()
+        entry = _STORE_CLIENTS.pop() if _STORE_CLIENTS else None
+    if entry is None:
+        try:
+            entry = (default, default.clone(), True)
+        except (AttributeError, RuntimeError, NotImplementedError):  # older torch, or a store that cannot
+            entry = (default, default, False)
+    try:
+        yield entry[1], entry[2]
+    finally:
+        with _STORE_LOCK:
+            _STORE_CLIENTS.append(entry)
+
+
+def _wait_for_key(store: Any, blocking: bool, key: str, timeout_s: float) -> None:
+    """Wait until ``key`` is set or ``timeout_s`` passed (no error either way)."""
+    if blocking:
+        try:
+            store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))  # 0 would mean the store's own
+        except RuntimeError:  # timed out
+            pass
+        return
+    deadline, pause = time.monotonic() + timeout_s, 0.0002
+    while not store.check([key]):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.02)
 
 
 _ARRIVALS: dict[str, int] = {}  # process group name -> arrival checks so far (the same on every rank)
