@@ -160,6 +160,74 @@ def test_async_max_in_flight_comes_from_the_environment(monkeypatch):
     assert KNOBS.async_max_in_flight == 1
 
 
+# --- the descriptions and staging layout reused from save to save -----------------------------------
+
+
+def test_tensors_given_new_memory_between_two_async_saves_are_saved_from_it(tmp_path):
+    # the second save reuses the first one's descriptions only for tensors that kept their memory
+    ckpt = Checkpointer()
+    sd = _plain(1)
+    ckpt.async_save(str(tmp_path / "a"), sd).wait()
+    new = _plain(2)
+    sd["w"].data = new["w"].clone()  # new storage, same tensor object
+    sd["m"].set_(new["m"].clone())  # the same, through set_
+    sd["b"] = new["b"].clone()  # a new tensor object under the key
+    sd["i"].resize_(25)  # the same memory, another shape
+    sd["i"].copy_(new["i"][:25])
+    for key in ("mask", "s", "base"):  # the same memory, changed in place
+        sd[key].copy_(new[key])
+    ckpt.async_save(str(tmp_path / "b"), sd).wait()
+    out = Checkpointer().unshard(str(tmp_path / "b"))
+    for key in ("w", "m", "b", "mask", "s", "base"):
+        assert torch.equal(out[key], new[key]), key
+    assert torch.equal(out["wt"], new["base"].t()) and torch.equal(out["i"], new["i"][:25])
+    _assert_plain(Checkpointer().unshard(str(tmp_path / "a")), 1)
+
+
+def test_a_saved_state_that_is_dropped_is_not_kept_alive_by_the_next_saves_caches(tmp_path):
+    import gc
+    import weakref
+
+    from shardsafe.engine import writer
+    from shardsafe.engine.staging import RINGS
+
+    ckpt = Checkpointer()
+    sd = _plain(1)
+    for name in ("a", "b"):  # the second save reuses the first one's descriptions and layout
+        ckpt.async_save(str(tmp_path / name), sd).wait()
+    ids = {id(v) for v in sd.values()}
+    assert ids <= writer._DESCRIBED._entries.keys()
+    layouts = [r.layout for r in RINGS._free if r.layout is not None and len(r.layout.tensors) == len(sd)]
+    assert layouts and all(ref() is not None for ref in layouts[-1].tensors)
+    refs = [weakref.ref(v) for v in sd.values()]
+    del sd
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert not ids & writer._DESCRIBED._entries.keys()  # and with them the views on their memory
+    assert all(ref() is None for ref in layouts[-1].tensors)
+    _assert_plain(Checkpointer().unshard(str(tmp_path / "b")), 1)
+
+
+def _dtensors_given_new_memory(rank, ws, root):
+    ckpt = Checkpointer()
+    sd = _dist_state(ws, 1)
+    ckpt.async_save(os.path.join(root, "a"), sd).wait()
+    new = _dist_state(ws, 2)
+    sd["sharded"]._local_tensor.set_(new["sharded"]._local_tensor.clone())  # the same local tensor object, new memory
+    sd["cols"] = new["cols"]  # a new DTensor under the key
+    sd["rep_dt"]._local_tensor.copy_(new["rep_dt"]._local_tensor)  # in place
+    for key in ("big_rep", "small_rep"):
+        sd[key].copy_(new[key])
+    ckpt.async_save(os.path.join(root, "b"), sd).wait()
+    return True
+
+
+def test_dtensors_given_new_memory_between_two_async_saves_are_saved_from_it(tmp_path):
+    assert run_ranks(2, _dtensors_given_new_memory, str(tmp_path)) == [True, True]
+    _assert_dist(str(tmp_path / "a"), 1)
+    _assert_dist(str(tmp_path / "b"), 2)
+
+
 # --- sharded and replicated tensors on gloo ranks --------------------------------------------------
 
 SPLIT = 64 << 10

@@ -17,10 +17,11 @@ finished (the caller may then change the tensors).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -63,6 +64,7 @@ class StagingRing:
         self._aborted = False
         self.waited = 0  # times alloc had to wait for space (the save staged in parts)
         self.on_wait: Callable[[], None] | None = None  # called before alloc waits (the consumer must run)
+        self.layout: _Layout | None = None  # what stage_pieces laid out last, for the next save of the same tensors
 
     def reset(self) -> None:
         with self._cond:
@@ -208,16 +210,57 @@ def _copy_unit(ring: StagingRing, j: int, src: torch.Tensor, nbytes: int, stream
     put(Unit(j, dst, ring.free, ready))  # the writer takes the memoryview: less Python in the caller's thread
 
 
+class _Layout(NamedTuple):
+    """Where :func:`stage_pieces` put each piece of a list of tensors in a ring."""
+
+    tensors: list[weakref.ref[Any]]  # the LocalTensors laid out, weakly: a ring kept for later holds no model
+    out: list[Any]  # the descriptions with views on the ring
+    dsts: list[torch.Tensor]  # host copy targets, in order
+    cuda: list[torch.Tensor]  # device copy targets, in order
+
+
 @torch.no_grad()
 def stage_pieces(tensors: list[Any], ring: StagingRing) -> list[Any]:
     """Copy every piece of every tensor (``LocalTensor``s) into ``ring``, which must hold them all
     (it is this save's alone: laid out back to back, no waiting); returns the same descriptions
     with views on the copies (contiguous, in host memory). Host copies go through one
-    ``_foreach_copy_`` (one dispatch, not one per piece)."""
+    ``_foreach_copy_`` (one dispatch, not one per piece).
+
+    When ``tensors`` are the very ``LocalTensor`` objects this ring staged last time (a
+    :class:`~shardsafe.adapters.describe.DescribeCache` returns them for unchanged tensors), the
+    layout is reused: no view is built again, and the descriptions returned are the same objects.
+    """
+    layout = ring.layout
+    if layout is not None and len(layout.tensors) == len(tensors) and all(r() is t for r, t in zip(layout.tensors, tensors)):
+        _copy_pieces(layout, tensors)
+        return layout.out
+    layout = _lay_out(tensors, ring)
+    ring.layout = layout
+    _copy_pieces(layout, tensors)
+    return layout.out
+
+
+def _copy_pieces(layout: _Layout, tensors: list[Any]) -> None:
+    srcs = [v for t in tensors for v in t.views if v.numel() and v.device.type != "cuda"]
+    if srcs:
+        torch._foreach_copy_(layout.dsts, srcs)
+    if layout.cuda:
+        sources = [v for t in tensors for v in t.views if v.numel() and v.device.type == "cuda"]
+        stream = _side_stream(sources[0].device)
+        with torch.cuda.stream(stream):
+            for dst, v in zip(layout.cuda, sources):
+                dst.copy_(v, non_blocking=True)
+        stream.synchronize()
+
+
+def _lay_out(tensors: list[Any], ring: StagingRing) -> _Layout:
+    """Each piece's place in ``ring``, back to back from its start."""
     buf = ring.buf
     typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype (its size is a multiple of 64)
     pos = 0
-    out, dsts, srcs, cuda = [], [], [], []
+    out: list[Any] = []
+    dsts: list[torch.Tensor] = []
+    cuda: list[torch.Tensor] = []
     for t in tensors:
         views = []
         for v in t.views:
@@ -235,22 +278,10 @@ def stage_pieces(tensors: list[Any], ring: StagingRing) -> list[Any]:
             start = pos // size  # pos is a multiple of 64: of every element size
             dst = whole[start : start + numel].view(v.shape)
             pos += aligned(nbytes)
-            if v.device.type == "cuda":
-                cuda.append((dst, v))
-            else:
-                dsts.append(dst)
-                srcs.append(v)
+            (cuda if v.device.type == "cuda" else dsts).append(dst)
             views.append(dst)
         out.append(type(t)(t.key, t.dtype, t.dtype_name, t.shape, t.pieces, views))
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
-    if cuda:
-        stream = _side_stream(cuda[0][1].device)
-        with torch.cuda.stream(stream):
-            for dst, v in cuda:
-                dst.copy_(v, non_blocking=True)
-        stream.synchronize()
-    return out
+    return _Layout([weakref.ref(t) for t in tensors], out, dsts, cuda)
 
 
 class UnitQueue:

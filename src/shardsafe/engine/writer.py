@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 from .._gc import paused_gc
 from ..adapters import LocalTensor, describe_state
+from ..adapters.describe import DescribeCache
 from ..dist import Comm, background_comm
 from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
@@ -50,6 +51,7 @@ from .staging import RINGS, RingAborted, Unit, UnitQueue, aligned, live_units, s
 __all__ = ["async_save_state", "save_state"]
 
 log = logging.getLogger(__name__)
+_DESCRIBED = DescribeCache()  # async saves' caller waits for describing: the same tensors are not described again
 
 
 def save_state(
@@ -81,7 +83,7 @@ def async_save_state(
     before_save(storage.url, max_in_flight=knobs.async_max_in_flight)
     side = background_comm(comm, timeout_s=knobs.collective_timeout_s)
     with paused_gc():
-        tensors, objects = describe_state(state_dict)
+        tensors, objects = describe_state(state_dict, cache=_DESCRIBED)
     total, pinned = 0, False
     for t in tensors:
         for v in t.views:
