@@ -26,11 +26,13 @@ def simulate_save(
         tensors, _ = describe_state(sd)
         locals_.append({t.key: t for t in tensors})
         descs.append([TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors])
-    plan = plan_save(descs, save_id="5eed", split_bytes=knobs.replica_split_bytes if split_bytes is None else split_bytes)
+    plan = plan_save(
+        descs, save_id="5eed", split_bytes=knobs.replica_split_bytes if split_bytes is None else split_bytes, block_bytes=knobs.checksum_block_bytes
+    )
     sums = [_write_file(storage, plan.ranks[r], _units(plan.ranks[r].items, locals_[r], knobs, staged), knobs) for r in range(len(per_rank))]
     meta = _build_metadata(plan, sums, ({}, {}), knobs.checksum_block_bytes)
     storage.put_atomic(METADATA_FILENAME, meta.to_json(), overwrite=True)
-    return meta
+    return meta.bind(storage)
 
 
 def _units(items, local, knobs, staged: bool):

@@ -143,6 +143,8 @@ class Checkpointer:
         comm = self._comm("load", no_dist, process_group)
         bar = rank_progress(progress, "load", comm.is_coordinator)
         meta = metadata if metadata is not None else _read_metadata(storage, comm)
+        if meta.resolver is None:  # metadata the caller parsed: its files are this location's
+            meta.bind(storage)
         self._load(storage, state_dict, comm, meta, bar)
 
     def _load(
@@ -270,7 +272,7 @@ def _read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
 
     raw = comm.broadcast(read)
     with paused_gc():
-        return StorageMetadata.from_json(raw, where=where)
+        return StorageMetadata.from_json(raw, where=where).bind(storage)
 
 
 def _check_targets(meta: StorageMetadata, tensors: list[LocalTensor], objects: list[str], where: str) -> None:

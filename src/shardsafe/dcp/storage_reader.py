@@ -104,7 +104,7 @@ class StorageReader(Located, _DcpStorageReader):
         except FileNotFoundError:
             raw = None
         if raw is not None:
-            meta = StorageMetadata.from_json(raw, where=f"{storage.url.rstrip('/')}/{METADATA_FILENAME}")
+            meta = StorageMetadata.from_json(raw, where=f"{storage.url.rstrip('/')}/{METADATA_FILENAME}").bind(storage)
             self._ours = _OurCheckpoint(meta)
             return self._ours.dcp_metadata(storage.url, self.load_id)
         try:

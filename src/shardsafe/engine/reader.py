@@ -81,7 +81,22 @@ class Reader:
         are in flight. On an error, reads already started finish (they write into target
         memory) before it is raised.
         """
+        pairs = list(pairs)
+        self._read_headers(pairs)
         self.load_planned(((self._plan(meta, target), target) for meta, target in pairs), done)
+
+    def _read_headers(self, pairs: list[tuple[TensorStorageMetadata, LocalTensor]]) -> None:
+        """Format v3: read the headers of every file the targets need, on the pool, before
+        planning reads tensor by tensor (which would read them one at a time)."""
+        needed: set[int] = set()
+        resolver = None
+        for meta, target in pairs:
+            got = meta.files_overlapping((off, lens) for off, lens, _ in target.pieces)
+            if got:
+                needed |= got
+                resolver = meta._doc.resolver
+        if resolver is not None and len(needed) > 1:
+            resolver.prefetch(needed, self.threads)
 
     def load_planned(
         self,
@@ -122,7 +137,7 @@ class Reader:
             raise
 
     def _plan(self, meta: TensorStorageMetadata, target: LocalTensor) -> list[ReadItem]:
-        items, covered = plan_reads(StoredIndex(meta), target.pieces)
+        items, covered = plan_reads(StoredIndex(meta, target.pieces), target.pieces)
         for (off, lens, flat), got in zip(target.pieces, covered):
             need = prod(lens) if flat is None else flat[1] - flat[0]
             if got != need:

@@ -18,6 +18,7 @@ earlier saves' files that were listed before the commit and that the new metadat
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 import uuid
@@ -29,15 +30,9 @@ from ..adapters import LocalTensor, describe_state
 from ..adapters.describe import DescribeCache
 from ..dist import Comm, background_comm
 from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
-from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
-from ..format.metadata import (
-    METADATA_FILENAME,
-    ChecksumConfig,
-    DataFileInfo,
-    StorageMetadata,
-    TensorShardSpec,
-    TensorStorageMetadata,
-)
+from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
+from ..format.chunk_table import ChunkTable
+from ..format.metadata import METADATA_FILENAME, ChecksumConfig, DataFile, StorageMetadata, TensorStorageMetadata
 from ..knobs import Knobs
 from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name, plan_save
 from ..storage import Storage
@@ -200,7 +195,7 @@ def _prepare(
     """Describe (or take ``described()``: the tensors and the encoded values), gather, plan and
     scatter: every rank gets its share of the plan."""
     local: dict[str, LocalTensor] = {}
-    key = (tuple(comm.global_ranks), knobs.replica_split_bytes)
+    key = (tuple(comm.global_ranks), knobs.replica_split_bytes, knobs.checksum_block_bytes)
     cached = plan_cache.lookup(key)
     mine_desc: dict[str, Any] = {}
 
@@ -256,7 +251,7 @@ def _prepare(
             return [(None, save_id, cached.plan_id)] * comm.world_size  # type: ignore[list-item]
         plan_cache.count("miss")
         with paused_gc():
-            state["plan"] = plan_save(descs, save_id=save_id, split_bytes=knobs.replica_split_bytes)
+            state["plan"] = plan_save(descs, save_id=save_id, split_bytes=knobs.replica_split_bytes, block_bytes=knobs.checksum_block_bytes)
         plan_id = plan_cache.store_coordinator(key, digests, descs, state["plan"])
         state["save_id"] = save_id
         return [(r, save_id, plan_id) for r in state["plan"].ranks]
@@ -333,13 +328,15 @@ def _finish(
             ) from e
     meta = state.get("meta")
     if meta is None and want_meta:
-        meta = StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}")
+        meta = StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}").bind(storage)
+    elif meta is not None:
+        meta.bind(storage)
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
     return meta, files
 
 
 def _log_commit(url: str, meta: StorageMetadata, ranks: int, seconds: float) -> None:
-    nbytes = sum(f.size for f in (meta.files or {}).values())
+    nbytes = sum(f.size for f in meta.file_table or ())
     log.info(
         "save %s: %d tensors, %d values, %d bytes from %d rank(s), %.2f s, %.2f GB/s",
         url, len(meta.tensors), len(meta.objects) + len(meta.pickled_objects), nbytes, ranks, seconds, nbytes / max(seconds, 1e-9) / 1e9,
@@ -394,9 +391,10 @@ def _check_tensor_or_value(descs: list[list[TensorDesc]], gathered: list[_RankDe
         )
 
 
-def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], knobs: Knobs) -> list[str]:
-    """Write this rank's data file from ``units`` (each item's bytes, in order); returns each
-    item's block checksums (encoded), in order.
+def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], knobs: Knobs) -> str:
+    """Write this rank's data file from ``units`` (each item's bytes, in order), then the
+    checksum entry (every block's digest, item after item); returns the digest of that entry
+    (empty when the rank writes no file).
 
     Each unit is checksummed, then handed to a write-behind thread, so the checksums of one unit
     (and the copy or device-to-host transfer of the next) overlap the write of the one before.
@@ -404,7 +402,7 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
     if plan.file is None:
         for _ in units:  # nothing to write: the units (none are expected) are drained all the same
             pass
-        return []
+        return ""
     cblock = knobs.checksum_block_bytes
     digests: list[list[int]] = [[] for _ in plan.items]
     with storage.write_file(plan.file) as out, WriteBehind(out) as behind:
@@ -415,36 +413,42 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
             data = u.data if isinstance(u.data, memoryview) else memoryview(u.data.numpy())
             digest_blocks(data, cblock, digests[u.index])  # before the unit can be released
             behind.write(data, u.release)
-    return [encode_digests(d) for d in digests]
+        sums = struct.pack(f"<{sum(map(len, digests))}Q", *(x for d in digests for x in d))
+        if len(sums) != plan.sums_range[1] - plan.sums_range[0]:
+            raise CheckpointError(
+                f"{storage.url}/{plan.file}: {len(sums)} bytes of checksums, the file's layout has room for "
+                f"{plan.sums_range[1] - plan.sums_range[0]}; a unit was lost between staging and writing"
+            )
+        behind.write(memoryview(sums))
+    return file_digest(sums)
 
 
 def _build_metadata(
-    plan: SavePlan, sums: list[list[str]], objects: tuple[dict[str, Any], dict[str, str]], block_bytes: int
+    plan: SavePlan, sums: list[str], objects: tuple[dict[str, Any], dict[str, str]], block_bytes: int
 ) -> StorageMetadata:
-    files = {
-        rp.file: DataFileInfo(size=rp.size, header=file_digest(rp.header)) for rp in plan.ranks if rp.file is not None
-    }
+    """The v3 document: the data files (size, header and checksum-entry digests) and each
+    tensor's chunks as a run-length coded table of file indices, offsets and lengths."""
+    numbers: dict[int, int] = {}
+    table = []
+    for rank, rp in enumerate(plan.ranks):
+        if rp.file is not None:
+            numbers[rank] = len(table)
+            table.append(
+                DataFile(name=rp.file, size=rp.size, header_bytes=len(rp.header), header=file_digest(rp.header), sums=sums[rank])
+            )
     tensors = {}
     for key, tp in plan.tensors.items():
-        per_file: dict[str, list[TensorShardSpec]] = {}
+        rows = []
         for rank, j in tp.chunks:
-            rp = plan.ranks[rank]
-            it = rp.items[j]
-            spec = TensorShardSpec(
-                global_offset=it.offsets,
-                local_shape=it.lengths,
-                flattened_range=it.flat,
-                name=it.name,
-                byte_range=it.byte_range,
-                checksums=sums[rank][j],
-            )
-            per_file.setdefault(rp.file, []).append(spec)  # type: ignore[arg-type]
-        tensors[key] = TensorStorageMetadata(shape=tp.shape, dtype=tp.dtype, is_sharded=tp.is_sharded, shard_spec_per_file=per_file)
+            it = plan.ranks[rank].items[j]
+            rows.append((numbers[rank], it.offsets, it.lengths, it.flat))
+        chunks = ChunkTable.from_chunks(rows, len(tp.shape))
+        tensors[key] = tm = TensorStorageMetadata.model_construct(shape=tp.shape, dtype=tp.dtype, is_sharded=tp.is_sharded, table=chunks.to_json())
+        tm._table = chunks
     return StorageMetadata(
         checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=block_bytes),
-        files=files,
+        file_table=table,
         tensors=tensors,
         objects=objects[0],
         pickled_objects=objects[1],
     )
-

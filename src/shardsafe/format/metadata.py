@@ -22,10 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from ..errors import CorruptCheckpointError, DtypeMismatchError, ForeignCheckpointError
 from . import strict_json
 from .checksum import ALGORITHMS, ChunkSums, file_digest
+from .chunk_table import ChunkTable
 from .dtypes import torch_dtype
+from .file_index import Resolver, entry_name
 
 __all__ = [
     "ChecksumConfig",
+    "DataFile",
     "DataFileInfo",
     "FORMAT_VERSION",
     "METADATA_FILENAME",
@@ -36,7 +39,7 @@ __all__ = [
     "keys_under",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 METADATA_FILENAME = "metadata.json"
 _SELF_CHECKSUM = re.compile(rb',"metadata_checksum":"([0-9a-f]{16})"\}\Z')
 MAX_SIZE = 1 << 62
@@ -172,9 +175,15 @@ class TensorStorageMetadata(BaseModel):
     """dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``."""
     is_sharded: bool
     """Whether the tensor was sharded (not replicated) when saved."""
-    shard_spec_per_file: dict[str, list[TensorShardSpec]]
-    """Data file name -> the chunks of this tensor stored in it."""
-    _checksum: ChecksumConfig | None = PrivateAttr(default=None)  # the document's (v2); None for v1
+    shard_spec_per_file: dict[str, list[TensorShardSpec]] | None = Field(default=None, exclude_if=_is_none)
+    """Formats v1 and v2: data file name -> the chunks of this tensor stored in it. In v3 the
+    chunks are in ``table``; :meth:`chunks` yields them in every format."""
+    table: dict[str, Any] | None = Field(default=None, exclude_if=_is_none)
+    """Format v3: the chunks as a run-length coded :class:`~.chunk_table.ChunkTable`."""
+    _checksum: ChecksumConfig | None = PrivateAttr(default=None)  # the document's (v2, v3); None for v1
+    _table: ChunkTable | None = PrivateAttr(default=None)  # v3: ``table`` decoded and checked
+    _doc: Any = PrivateAttr(default=None)  # v3: the StorageMetadata, for its files and their headers
+    _key: str = PrivateAttr(default="")
 
     @field_validator("shape", mode="before")
     @classmethod
@@ -205,15 +214,63 @@ class TensorStorageMetadata(BaseModel):
         return torch.empty(shape if shape is not None else self.shape, dtype=self.torch_dtype, device=device)
 
     def chunks(self) -> Iterator[tuple[str, TensorShardSpec]]:
-        for file, specs in self.shard_spec_per_file.items():
-            for spec in specs:
-                yield file, spec
+        """Every stored chunk: ``(data file name, spec)``. In format v3 this reads the header of
+        every file that holds a chunk of the tensor (once per file; see :meth:`StorageMetadata.bind`)."""
+        if self._table is None:
+            for file, specs in (self.shard_spec_per_file or {}).items():
+                for spec in specs:
+                    yield file, spec
+            return
+        yield from self._resolved(range(len(self._table)))
+
+    def chunks_overlapping(self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> Iterator[tuple[str, TensorShardSpec]]:
+        """The chunks whose box overlaps any of ``boxes`` (``(offsets, lengths)``), and possibly
+        others: in format v3 only their files' headers are read."""
+        if self._table is None:
+            yield from self.chunks()
+            return
+        picked: set[int] = set()
+        for off, lens in boxes:
+            picked.update(self._table.overlapping(off, lens).tolist())
+        yield from self._resolved(sorted(picked))
+
+    def files_overlapping(self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> set[int]:
+        """Format v3: the indices (into ``file_table``) of the files holding a chunk that
+        overlaps any of ``boxes``; empty for earlier formats."""
+        if self._table is None:
+            return set()
+        out: set[int] = set()
+        for off, lens in boxes:
+            out.update(self._table.files[self._table.overlapping(off, lens)].tolist())
+        return out
+
+    def _resolved(self, indices: Iterable[int]) -> Iterator[tuple[str, TensorShardSpec]]:
+        table, doc = self._table, self._doc
+        assert table is not None
+        resolver = doc._bound(self._key)
+        itemsize = self.torch_dtype.itemsize
+        for i in indices:
+            f, off, lens, flat = table.chunk(i)
+            index = resolver.file(f)
+            name = entry_name(self._key, self.shape, off, lens, flat)
+            numel = flat[1] - flat[0] if flat is not None else prod(lens)
+            begin, end, _ = index.locate(name, numel * itemsize, key=self._key)
+            spec = TensorShardSpec.model_construct(
+                global_offset=off, local_shape=lens, flattened_range=flat, name=name, byte_range=(begin, end)
+            )
+            yield index.name, spec
 
     def chunk_sums(self, file: str, spec: TensorShardSpec) -> ChunkSums:
-        """The checksums of one of this tensor's chunks (v1: one CRC32C over the whole chunk)."""
+        """The checksums of one of this tensor's chunks (v1: one CRC32C over the whole chunk;
+        v3: from the checksum entry of its file)."""
         where = f"{file}:{spec.name}"
         nbytes = spec.byte_range[1] - spec.byte_range[0]
         cfg = self._checksum
+        if self._table is not None and cfg is not None:
+            index = self._doc._bound(self._key).file(self._doc._file_number(file))
+            first = index.locate(spec.name, nbytes, key=self._key)[2]
+            blocks = -(-nbytes // cfg.block_bytes)
+            return ChunkSums(cfg.algorithm, cfg.block_bytes, nbytes, tuple(index.digests[first : first + blocks].tolist()), where)
         if cfg is None:
             return ChunkSums.whole(spec.crc32c, algorithm="crc32c", nbytes=nbytes, where=where)  # type: ignore[arg-type]
         return ChunkSums.decode(
@@ -221,11 +278,12 @@ class TensorStorageMetadata(BaseModel):
         )
 
     def get_flattened_offsets_in_file(self, filename: str) -> Iterator[tuple[int, int]]:
-        for spec in self.shard_spec_per_file.get(filename, []):
-            yield from spec.get_flattened_offsets(self.shape)
+        for file, spec in self.chunks():
+            if file == filename:
+                yield from spec.get_flattened_offsets(self.shape)
 
     def get_numel_in_file(self, filename: str) -> int:
-        return sum(spec.local_numel for spec in self.shard_spec_per_file.get(filename, []))
+        return sum(spec.local_numel for file, spec in self.chunks() if file == filename)
 
 
 class ChecksumConfig(BaseModel):
@@ -257,6 +315,24 @@ class DataFileInfo(BaseModel):
     """XXH3-64 of the file's first ``8 + N`` bytes (the length and the padded JSON header), 16 hex digits."""
 
 
+class DataFile(BaseModel):
+    """A data file as a whole (format v3): its name, its size, and the digests of the two parts
+    of it a reader checks before using them (the header, the checksum entry)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    """The file's name in the checkpoint directory."""
+    size: int = Field(ge=8, lt=1 << 62, strict=True)
+    """The file's length in bytes."""
+    header_bytes: int = Field(ge=8, lt=1 << 62, strict=True)
+    """``8 + N``: the length prefix and the padded JSON header, where the data section starts."""
+    header: str = Field(pattern=r"^[0-9a-f]{16}$")
+    """XXH3-64 of the file's first ``header_bytes`` bytes, 16 hex digits."""
+    sums: str = Field(pattern=r"^[0-9a-f]{16}$")
+    """XXH3-64 of the bytes of the file's ``__shardsafe_checksums__`` entry, 16 hex digits."""
+
+
 class StorageMetadata(BaseModel):
     """The whole of ``metadata.json``."""
 
@@ -267,15 +343,49 @@ class StorageMetadata(BaseModel):
     """Format v2 (required there): how the chunks' ``checksums`` were computed."""
     files: dict[str, DataFileInfo] | None = Field(default=None, exclude_if=_is_none)
     """Format v2 (required there): every data file, with its size and header digest."""
+    file_table: list[DataFile] | None = Field(default=None, exclude_if=_is_none)
+    """Format v3 (required there): every data file; a chunk table names a file by its index here."""
     tensors: dict[str, TensorStorageMetadata]
     objects: dict[str, Any] = {}
     """Non-tensor values, stored as JSON."""
     pickled_objects: dict[str, str] = {}
     """Non-tensor values that needed pickle (base64), present only if the saver opted in."""
 
+    _resolver: Resolver | None = PrivateAttr(default=None)
+    _file_numbers: dict[str, int] | None = PrivateAttr(default=None)
+
     def model_post_init(self, _context: Any) -> None:
-        for t in self.tensors.values():
+        for key, t in self.tensors.items():
             t._checksum = self.checksum
+            t._doc = self
+            t._key = key
+
+    def bind(self, storage: Any) -> StorageMetadata:
+        """Format v3: read chunk locations and checksums from the data files of ``storage``
+        (the checkpoint this metadata came from), as they are needed. Returns ``self``.
+        :meth:`shardsafe.Checkpointer.get_metadata` returns bound metadata."""
+        if self.file_table is not None:
+            self._resolver = Resolver(storage, self)
+        return self
+
+    @property
+    def resolver(self) -> Resolver | None:
+        """Format v3, once bound: the reader of the data files' headers."""
+        return self._resolver
+
+    def _bound(self, key: str) -> Resolver:
+        if self._resolver is None:
+            raise CorruptCheckpointError(
+                f"tensor {key!r}: format v3 metadata keeps the chunks' byte ranges and checksums in the data files' headers; "
+                "this StorageMetadata is not bound to its checkpoint (call meta.bind(storage), or use "
+                "Checkpointer.get_metadata, which does)"
+            )
+        return self._resolver
+
+    def _file_number(self, name: str) -> int:
+        if self._file_numbers is None:
+            self._file_numbers = {f.name: i for i, f in enumerate(self.file_table or ())}
+        return self._file_numbers[name]
 
     def to_json(self) -> bytes:
         """The document as written: compact JSON whose last member, ``metadata_checksum``, is
@@ -323,7 +433,44 @@ class StorageMetadata(BaseModel):
         return meta
 
     def data_files(self) -> set[str]:
-        return {f for t in self.tensors.values() for f in t.shard_spec_per_file}
+        if self.file_table is not None:
+            return {f.name for f in self.file_table}
+        return {f for t in self.tensors.values() for f in (t.shard_spec_per_file or {})}
+
+    def _check_v3(self, where: str) -> None:
+        """Format v3: ``checksum`` and ``file_table``, no ``files``; each tensor a chunk table
+        (decoded here) whose chunks tile it; file names valid and distinct."""
+        from ..planning.geometry import check_tiling
+
+        if self.checksum is None or self.file_table is None or self.files is not None:
+            raise CorruptCheckpointError(
+                f"{where}: invalid checkpoint metadata: format_version 3 metadata has the 'checksum' and 'file_table' fields "
+                "and no 'files' field"
+            )
+        names = [f.name for f in self.file_table]
+        for name in names:
+            if not is_data_file_name(name):
+                raise CorruptCheckpointError(
+                    f"{where}: the file table names data file {name!r}, which is not a plain file name inside the checkpoint "
+                    "directory; refusing to read it"
+                )
+        if len(set(names)) != len(names):
+            raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: the file table names a file twice")
+        for key, t in self.tensors.items():
+            if t.table is None or t.shard_spec_per_file is not None:
+                raise CorruptCheckpointError(
+                    f"{where}: invalid checkpoint metadata: tensor {key!r}: a format_version 3 tensor has a 'table' and no "
+                    "'shard_spec_per_file'"
+                )
+            _check_shape(where, key, t.shape, t.torch_dtype.itemsize)
+            table = ChunkTable.from_json(t.table, shape=t.shape, nfiles=len(names), what=f"{where}: tensor {key!r}")
+            if not table.grid_cells(t.shape):  # the rule is cheap for a grid; anything else, chunk by chunk
+                pieces = [table.chunk(i)[1:] for i in range(len(table))]
+                try:
+                    check_tiling(key, t.shape, pieces)
+                except Exception as e:
+                    raise CorruptCheckpointError(f"{where}: {e}") from None
+            t._table = table
 
     def _check_version_fields(self, where: str) -> None:
         """v2 needs ``checksum``, ``files`` and per-chunk ``checksums``; v1 has none of them and a
@@ -377,13 +524,21 @@ class StorageMetadata(BaseModel):
         for kind, keys in (("tensors", self.tensors), ("objects", self.objects), ("pickled_objects", self.pickled_objects)):
             if "" in keys:
                 raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: an empty key in {kind!r}; keys are non-empty strings")
+        if self.format_version >= 3:
+            self._check_v3(where)
+            return
+        if self.file_table is not None or any(t.table is not None or t.shard_spec_per_file is None for t in self.tensors.values()):
+            raise CorruptCheckpointError(
+                f"{where}: invalid checkpoint metadata: format_version {self.format_version} tensors have 'shard_spec_per_file', "
+                "and the document has no 'file_table' and no tensor a 'table'"
+            )
 
         checked_files: set[str] = set()
         ranges: dict[str, list[tuple[int, int, str, str]]] = {}  # file -> (begin, end, key, chunk name)
         for key, t in self.tensors.items():
             itemsize = t.torch_dtype.itemsize
             _check_shape(where, key, t.shape, itemsize)
-            for file in t.shard_spec_per_file:
+            for file in t.shard_spec_per_file or {}:
                 if file not in checked_files and not is_data_file_name(file):
                     raise CorruptCheckpointError(
                         f"{where}: tensor {key!r} names data file {file!r}, which is not a plain "

@@ -41,12 +41,15 @@ class StoredIndex:
     decoded only for the chunks a read touches (:meth:`sums`).
     """
 
-    def __init__(self, meta: TensorStorageMetadata) -> None:
+    def __init__(self, meta: TensorStorageMetadata, targets: list[Piece] | None = None) -> None:
+        """With ``targets``, the index may hold only the chunks that overlap their boxes (format
+        v3 then reads the headers of only the files that hold those)."""
         self.meta = meta
         self.itemsize = meta.torch_dtype.itemsize
         self._sums: dict[int, ChunkSums] = {}
         segs = []
-        for file, spec in meta.chunks():
+        chunks = meta.chunks() if targets is None else meta.chunks_overlapping((off, lens) for off, lens, _ in targets)
+        for file, spec in chunks:
             if spec.flattened_range is None:  # a box is its own single segment
                 segs.append((spec.global_offset, spec.local_shape, file, spec.byte_range[0], spec))
                 continue

@@ -18,6 +18,7 @@ from math import prod
 
 from ..errors import DtypeMismatchError, ShapeMismatchError
 from ..format.dtypes import SAFETENSORS_CODE, torch_dtype
+from ..format.file_index import SUMS_ENTRY, entry_name
 from ..format.safetensors_file import FileEntry, layout_file
 from .geometry import Piece, Shape, check_tiling, chunk_bounds
 
@@ -52,11 +53,12 @@ class RankWritePlan:
     file: str | None  # None when the rank writes nothing
     header: bytes
     items: tuple[WriteItem, ...]
+    sums_range: tuple[int, int] = (0, 0)  # the checksum entry, last in the file (format v3)
 
     @property
     def size(self) -> int:
         """The data file's length in bytes."""
-        return self.items[-1].byte_range[1] if self.items else len(self.header)
+        return self.sums_range[1] if self.items else len(self.header)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,9 @@ class TensorPlan:
 class SavePlan:
     ranks: tuple[RankWritePlan, ...]
     tensors: dict[str, TensorPlan]
+
+
+DIGEST_BYTES = 8  # XXH3-64, the only algorithm a v3 file's checksum entry holds
 
 
 def data_file_name(rank: int, save_id: str) -> str:
@@ -95,8 +100,9 @@ def _entry_name(key: str, shape: Shape, offsets: Shape, lengths: Shape, flat: tu
     return name
 
 
-def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int) -> SavePlan:
-    """Plan a save from ``descs[rank]``, each rank's descriptions.
+def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int, block_bytes: int) -> SavePlan:
+    """Plan a save from ``descs[rank]``, each rank's descriptions; each file ends with the
+    checksums of its entries' blocks of ``block_bytes`` (format v3, ``docs/format.md`` §4).
 
     Raises ``DtypeMismatchError`` / ``ShapeMismatchError`` when ranks disagree on a key, and
     ``ShardingError`` when a tensor's pieces leave a gap or overlap.
@@ -163,18 +169,20 @@ def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int) 
             ranks.append(RankWritePlan(None, b"", ()))
             continue
         entries = []
-        used: set[str] = set()
+        blocks = 0
         for key, _idx, off, lens, flat in items:
             shape, code, itemsize = file_facts[key]
             shape_in_file = lens if flat is None else (flat[1] - flat[0],)
-            name = _entry_name(key, shape, off, lens, flat, used)
-            entries.append(FileEntry(name, code, shape_in_file, prod(shape_in_file) * itemsize))
-        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "2"})
+            nbytes = prod(shape_in_file) * itemsize
+            entries.append(FileEntry(entry_name(key, shape, off, lens, flat), code, shape_in_file, nbytes))
+            blocks += -(-nbytes // block_bytes)
+        entries.append(FileEntry(SUMS_ENTRY, "U8", (blocks * DIGEST_BYTES,), blocks * DIGEST_BYTES))
+        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "3"})
         plan_items = []
         for j, ((key, idx, off, lens, flat), entry, br) in enumerate(zip(items, entries, layout.byte_ranges)):
             plan_items.append(WriteItem(key, idx, off, lens, flat, entry.name, br))
             chunks[key].append((rank, j))
-        ranks.append(RankWritePlan(data_file_name(rank, save_id), layout.header, tuple(plan_items)))
+        ranks.append(RankWritePlan(data_file_name(rank, save_id), layout.header, tuple(plan_items), layout.byte_ranges[-1]))
 
     tensors = {
         key: TensorPlan(facts[key][0], facts[key][1], sharded[key], tuple(chunks[key])) for key in holders

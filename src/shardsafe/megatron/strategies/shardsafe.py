@@ -299,7 +299,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 raw, version = storage.read_versioned(METADATA_FILENAME)
             except FileNotFoundError:
                 raise NotADistributedCheckpointError(f"{checkpoint_dir} is not a distributed checkpoint: it has no {METADATA_FILENAME}") from None
-            meta = StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}")
+            meta = StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}").bind(storage)
             gone = [k for k in meta.tensors if k.startswith(key_prefix)]
             if not gone:
                 log.warning("%s: no tensor key starts with %r; nothing removed", checkpoint_dir, key_prefix)

@@ -1,0 +1,166 @@
+"""Format v3: where each chunk's bytes and checksums are, read from its data file's own header.
+
+A v3 ``metadata.json`` says which chunks a tensor has and which file holds each (a
+:class:`~.chunk_table.ChunkTable`), but not where in the file, nor the chunk's checksums: those
+are per chunk, so at thousands of ranks they would be most of the document that every loading
+rank parses. Each data file already starts with a safetensors header that names each entry and
+its byte range, and v3 ends each file with one more entry, ``__shardsafe_checksums__``: the
+digest of every block of every other entry, in the order of their bytes. A reader reads the
+header and that entry of only the files it needs, and checks each against the digests that
+``metadata.json`` gives for the file (``header``, ``sums``).
+"""
+
+from __future__ import annotations
+
+import threading
+from math import prod
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from .checksum import ALGORITHMS, file_digest
+from .safetensors_file import parse_header
+
+if TYPE_CHECKING:
+    from ..storage import Storage
+    from .metadata import StorageMetadata
+
+__all__ = ["SUMS_ENTRY", "FileIndex", "Resolver", "entry_name"]
+
+SUMS_ENTRY = "__shardsafe_checksums__"
+_RESERVED = ("__metadata__", SUMS_ENTRY)
+
+
+def entry_name(key: str, shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], flat: tuple[int, int] | None) -> str:
+    """A chunk's entry name in a v3 data file: ``key`` for a whole tensor whose key has no ``@``
+    and is not reserved; otherwise ``key@o0,...,ok``, and ``+start`` after it for a flattened
+    chunk. Distinct chunks of a valid checkpoint never share a name in a file (the part after
+    the last ``@`` is the offsets), so a reader can compute the name of the chunk it needs. A
+    flattened range that is the whole box is the box (the chunk table cannot tell them apart)."""
+    if flat is not None and flat[0] == 0 and flat[1] == prod(lengths):
+        flat = None
+    if flat is None and lengths == shape and not any(offsets) and "@" not in key and key not in _RESERVED:
+        return key
+    name = f"{key}@{','.join(map(str, offsets))}"
+    return name if flat is None else f"{name}+{flat[0]}"
+
+
+class FileIndex:
+    """One v3 data file's entries: ``name -> (absolute begin, end, index of its first digest)``,
+    and the digests of every block, checked against the metadata."""
+
+    __slots__ = ("digests", "entries", "name")
+
+    def __init__(self, name: str, entries: dict[str, tuple[int, int, int]], digests: np.ndarray) -> None:
+        self.name = name
+        self.entries = entries
+        self.digests = digests
+
+    @classmethod
+    def read(cls, storage: Storage, info: Any, *, block_bytes: int, algorithm: str) -> FileIndex:
+        """Read and check the header and the checksum entry of the file ``info`` describes."""
+        name = info.name
+        where = f"{storage.url.rstrip('/')}/{name}"
+        head = bytearray(info.header_bytes)
+        _read(storage, name, 0, head, where)
+        got = file_digest(head)
+        if got != info.header:
+            raise CorruptCheckpointError(
+                f"{where}: checksum mismatch in the safetensors header: metadata.json says {info.header}, the header hashes "
+                f"to {got}; the file is damaged or is not this checkpoint's"
+            )
+        try:
+            start, header = parse_header(bytes(head))
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: invalid safetensors header: {e}") from None
+        if start != info.header_bytes:
+            raise CorruptCheckpointError(f"{where}: the header is {start} bytes, metadata.json says {info.header_bytes}")
+        spans = []
+        for entry, spec in header.items():
+            if entry == "__metadata__":
+                continue
+            offs = spec.get("data_offsets") if isinstance(spec, dict) else None
+            if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs) and 0 <= offs[0] <= offs[1]):
+                raise CorruptCheckpointError(f"{where}: entry {entry!r} has no valid data_offsets")
+            spans.append((start + offs[0], start + offs[1], entry))
+        spans.sort()
+        pos = start
+        for begin, end, entry in spans:
+            if begin != pos:
+                raise CorruptCheckpointError(f"{where}: entry {entry!r} starts at byte {begin}, expected {pos}: entries must be back to back")
+            pos = end
+        if pos != info.size:
+            raise CorruptCheckpointError(f"{where}: the entries end at byte {pos}, the file is {info.size} bytes")
+        if not spans or spans[-1][2] != SUMS_ENTRY:
+            raise CorruptCheckpointError(f"{where}: the last entry must be {SUMS_ENTRY!r}, the checksums of the others")
+        size = ALGORITHMS[algorithm].size
+        entries: dict[str, tuple[int, int, int]] = {}
+        blocks = 0
+        for begin, end, entry in spans[:-1]:
+            entries[entry] = (begin, end, blocks)
+            blocks += -(-(end - begin) // block_bytes)
+        s_begin, s_end, _ = spans[-1]
+        if s_end - s_begin != blocks * size:
+            raise CorruptCheckpointError(
+                f"{where}: {SUMS_ENTRY!r} holds {s_end - s_begin} bytes, expected {blocks * size} for {blocks} block(s)"
+            )
+        raw = bytearray(s_end - s_begin)
+        _read(storage, name, s_begin, raw, where)
+        got = file_digest(raw)
+        if got != info.sums:
+            raise CorruptCheckpointError(
+                f"{where}: checksum mismatch in {SUMS_ENTRY!r}: metadata.json says {info.sums}, its bytes hash to {got}; "
+                "the file is damaged"
+            )
+        return cls(name, entries, np.frombuffer(bytes(raw), dtype="<u8" if size == 8 else "<u4"))
+
+    def locate(self, entry: str, nbytes: int, *, key: str) -> tuple[int, int, int]:
+        """``(begin, end, first digest)`` of ``entry``, which must hold ``nbytes`` bytes."""
+        got = self.entries.get(entry)
+        if got is None:
+            raise CorruptCheckpointError(
+                f"{self.name}: tensor {key!r}: metadata.json places a chunk in this file, but it has no entry {entry!r}"
+            )
+        if got[1] - got[0] != nbytes:
+            raise CorruptCheckpointError(
+                f"{self.name}: tensor {key!r}: entry {entry!r} holds {got[1] - got[0]} bytes, the chunk needs {nbytes}"
+            )
+        return got
+
+
+def _read(storage: Storage, name: str, offset: int, buf: bytearray, where: str) -> None:
+    del where  # read_into names the file itself (CorruptCheckpointError when it is short)
+    storage.read_into(name, offset, [memoryview(buf)])
+
+
+class Resolver:
+    """The :class:`FileIndex` of each v3 data file a caller needs, read once (thread-safe)."""
+
+    def __init__(self, storage: Storage, meta: StorageMetadata) -> None:
+        self.storage = storage
+        self.meta = meta
+        self._files: dict[int, FileIndex] = {}
+        self._lock = threading.Lock()
+
+    def file(self, index: int) -> FileIndex:
+        got = self._files.get(index)
+        if got is None:
+            cfg = self.meta.checksum
+            assert cfg is not None and self.meta.file_table is not None
+            got = FileIndex.read(self.storage, self.meta.file_table[index], block_bytes=cfg.block_bytes, algorithm=cfg.algorithm)
+            with self._lock:
+                got = self._files.setdefault(index, got)
+        return got
+
+    def prefetch(self, indices: Iterable[int], threads: int) -> None:
+        """Read the files ``indices`` not read yet, ``threads`` at a time."""
+        todo = sorted(set(indices) - self._files.keys())
+        if len(todo) <= 1 or threads <= 1:
+            for i in todo:
+                self.file(i)
+            return
+        with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="shardsafe-headers") as pool:
+            list(pool.map(self.file, todo))
