@@ -13,9 +13,9 @@ header and that entry of only the files it needs, and checks each against the di
 from __future__ import annotations
 
 import threading
-from math import prod
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from math import prod
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
