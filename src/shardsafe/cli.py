@@ -97,13 +97,14 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
             "shape": list(t.shape),
             "dtype": t.dtype,
             "bytes": _tensor_bytes(t),
-            "chunks": sum(1 for _ in t.chunks()),
+            "chunks": t.chunk_count(),
             "sharded": t.is_sharded,
         }
         for key, t in sorted(meta.tensors.items())
     }
-    files = {name: info.size for name, info in sorted(meta.files.items())} if meta.files is not None else {f: None for f in sorted(meta.data_files())}
-    total = sum(v for v in files.values() if v is not None) if meta.files is not None else sum(t["bytes"] for t in tensors.values())
+    sizes = meta.file_sizes()
+    files = dict(sorted(sizes.items())) if sizes is not None else {f: None for f in sorted(meta.data_files())}
+    total = sum(sizes.values()) if sizes is not None else sum(t["bytes"] for t in tensors.values())
     doc = {
         "location": args.dir,
         "format_version": meta.format_version,

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._args import check_arg, check_bool
 from ._progress import progress_callback
@@ -70,7 +71,23 @@ def verify(
     from .dist import get_comm
 
     meta: StorageMetadata = _read_metadata(storage, get_comm(no_dist=True))
-    total = sum(spec.byte_range[1] - spec.byte_range[0] for t in meta.tensors.values() for _, spec in t.chunks())
+    v3 = meta.file_table is not None
+    by_file: dict[str, list] = {}
+    infos: dict[str, Any] = dict(meta.files or {})
+    if v3:  # chunks by file from the tables; their places are read (and checked) file by file below
+        infos = {f.name: f for f in meta.file_table or ()}
+        total = 0
+        for key, t in meta.tensors.items():
+            table = t._table
+            assert table is not None
+            total += int(table.numels().sum()) * t.torch_dtype.itemsize
+            for i, f in enumerate(table.files.tolist()):
+                by_file.setdefault(meta.file_table[f].name, []).append((key, t, i))  # type: ignore[index]
+    else:
+        total = sum(spec.byte_range[1] - spec.byte_range[0] for t in meta.tensors.values() for _, spec in t.chunks())
+        for key, t in meta.tensors.items():
+            for file, spec in t.chunks():
+                by_file.setdefault(file, []).append((key, t, spec))
     lock = threading.Lock()
     done = [0]
 
@@ -80,10 +97,6 @@ def verify(
                 done[0] += n
                 progress(done[0], total)
 
-    by_file: dict[str, list] = {}
-    for key, t in meta.tensors.items():
-        for file, spec in t.chunks():
-            by_file.setdefault(file, []).append((key, t, spec))
     block = KNOBS.read_buffer_bytes
 
     def check_file(item: tuple[str, list]) -> VerifyReport:
@@ -97,7 +110,7 @@ def verify(
 
         report.files = 1
         where = f"{storage.url.rstrip('/')}/{file}"
-        info = meta.files.get(file) if meta.files is not None else None
+        info = infos.get(file)
         try:
             head = bytearray(8)
             storage.read_into(file, 0, [memoryview(head)])
@@ -116,6 +129,20 @@ def verify(
         except (ValueError, CorruptCheckpointError) as e:
             fail(f"{where}: not a valid safetensors file: {e}")
             return report
+        if v3:  # where each chunk is, from the header and the checksum entry (both checked)
+            try:
+                meta.resolver.file(meta._file_number(file))  # type: ignore[union-attr]
+            except CorruptCheckpointError as e:
+                fail(str(e))
+                return report
+            placed = []
+            for key, t, i in chunks:
+                try:
+                    placed.extend((key, t, spec) for _, spec in t._resolved([i]))
+                except CorruptCheckpointError as e:
+                    report.chunks += 1
+                    fail(f"{where}: key {key!r}: {e}")
+            chunks = placed
         for key, t, spec in chunks:
             report.chunks += 1
             entry = header.get(spec.name)

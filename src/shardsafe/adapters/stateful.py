@@ -246,11 +246,8 @@ def _all_equal(meta: StorageMetadata, name: str, saved_world_size: int, where: s
             if tm is None:
                 return False
             chunks = sorted(
-                (c.global_offset, c.local_shape, c.flattened_range, c.checksums, c.crc32c)
-                for specs in tm.shard_spec_per_file.values() for c in specs
+                (c.global_offset, c.local_shape, c.flattened_range, tm.chunk_sums(file, c).digests) for file, c in tm.chunks()
             )
-            if any(c[3] is None and c[4] is None for c in chunks):
-                return False  # no checksum to compare by: take them as different
             tensors.append((tuple(tm.shape), tm.dtype, tuple(chunks)))
         signatures.add((_canonical(skeleton["state"]), tuple(tensors)))
         if len(signatures) > 1:

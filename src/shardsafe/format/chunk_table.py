@@ -152,6 +152,12 @@ class ChunkTable:
                 raise CorruptCheckpointError(f"{what}: a flattened range is empty or leaves its box")
         return cls(files, offsets, lengths, flat)
 
+    def numels(self) -> np.ndarray:
+        """Elements stored per chunk."""
+        if self.flat is not None:
+            return self.flat[:, 1] - self.flat[:, 0]
+        return np.prod(self.lengths, axis=1) if self.lengths.shape[1] else np.ones(len(self), dtype=np.int64)
+
     def chunk(self, i: int) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, int] | None]:
         """Chunk ``i``: its file index, offsets, lengths and flattened range (None for a whole box)."""
         off = tuple(self.offsets[i].tolist())

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from math import prod
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
@@ -222,6 +223,12 @@ class TensorStorageMetadata(BaseModel):
                     yield file, spec
             return
         yield from self._resolved(range(len(self._table)))
+
+    def chunk_count(self) -> int:
+        """How many chunks are stored (no file is read)."""
+        if self._table is not None:
+            return len(self._table)
+        return sum(len(specs) for specs in (self.shard_spec_per_file or {}).values())
 
     def chunks_overlapping(self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> Iterator[tuple[str, TensorShardSpec]]:
         """The chunks whose box overlaps any of ``boxes`` (``(offsets, lengths)``), and possibly
@@ -431,6 +438,38 @@ class StorageMetadata(BaseModel):
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
         meta._check(where)
         return meta
+
+    def with_tensors(self, keys: Iterable[str]) -> StorageMetadata:
+        """The same checkpoint with only the tensors ``keys`` (values unchanged): files that no
+        kept tensor names are left out (their bytes are then the caller's to delete)."""
+        kept = {k: self.tensors[k] for k in keys}
+        if self.file_table is None:
+            named = {f for t in kept.values() for f in (t.shard_spec_per_file or {})}
+            files = None if self.files is None else {f: info for f, info in self.files.items() if f in named}
+            return StorageMetadata(
+                format_version=self.format_version, checksum=self.checksum, files=files, tensors=kept,
+                objects=self.objects, pickled_objects=self.pickled_objects,
+            )
+        used = sorted({f for t in kept.values() for f in t._table.files.tolist()})  # type: ignore[union-attr]
+        renumber = np.full(len(self.file_table), -1, dtype=np.int64)
+        renumber[used] = np.arange(len(used))
+        tensors = {}
+        for key, t in kept.items():
+            table = t._table
+            assert table is not None
+            moved = ChunkTable(renumber[table.files], table.offsets, table.lengths, table.flat)
+            tensors[key] = new = TensorStorageMetadata.model_construct(shape=t.shape, dtype=t.dtype, is_sharded=t.is_sharded, table=moved.to_json())
+            new._table = moved
+        return StorageMetadata(
+            format_version=self.format_version, checksum=self.checksum, file_table=[self.file_table[i] for i in used],
+            tensors=tensors, objects=self.objects, pickled_objects=self.pickled_objects,
+        )
+
+    def file_sizes(self) -> dict[str, int] | None:
+        """Each data file's size in bytes (formats v2 and v3; None for v1, which does not record them)."""
+        if self.file_table is not None:
+            return {f.name: f.size for f in self.file_table}
+        return None if self.files is None else {name: info.size for name, info in self.files.items()}
 
     def data_files(self) -> set[str]:
         if self.file_table is not None:

@@ -304,17 +304,8 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
             if not gone:
                 log.warning("%s: no tensor key starts with %r; nothing removed", checkpoint_dir, key_prefix)
                 return
-            tensors = {k: t for k, t in meta.tensors.items() if not k.startswith(key_prefix)}
-            named = {f for t in tensors.values() for f in t.shard_spec_per_file}
-            files = None if meta.files is None else {f: info for f, info in meta.files.items() if f in named}
-            new = StorageMetadata(
-                format_version=meta.format_version,
-                checksum=meta.checksum,
-                files=files,
-                tensors=tensors,
-                objects=meta.objects,
-                pickled_objects=meta.pickled_objects,
-            )
+            new = meta.with_tensors(k for k in meta.tensors if not k.startswith(key_prefix))
+            named = new.data_files()
             try:
                 storage.put_atomic(METADATA_FILENAME, new.to_json(), overwrite=True, if_match=version)
             except FileExistsError:
