@@ -271,8 +271,10 @@ def test_sharded_and_split_replicated_tensors_changed_after_return_are_not_in_th
     path = str(tmp_path / "c")
     results = run_ranks(ws, _async_then_change, path)
     _assert_dist(path, 1)
-    meta = StorageMetadata.model_validate(results[0][0])
-    assert len(meta.tensors["big_rep"].shard_spec_per_file) == ws  # split over every rank
+    meta = Checkpointer().get_metadata(path)
+    assert StorageMetadata.model_validate(results[0][0]) == meta  # what the save returned is what it committed
+    big = meta.tensors["big_rep"]
+    assert big.chunk_count() == ws and len({file for file, _ in big.chunks()}) == ws  # split over every rank
     assert [len(files) for _, files in results] == [1] * ws
 
 

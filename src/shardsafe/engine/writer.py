@@ -423,6 +423,26 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
     return file_digest(sums)
 
 
+class _TableCache:
+    """The chunk tables of the last plan built, for the next save of the same structure: the
+    plan cache renames a plan's files but keeps its tensors, and the tables (which name files by
+    their index) are the same. A cached save then builds only the file table. Holds the last
+    plan's tensors (the plan cache holds them too while they are its plan)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, dict[str, TensorStorageMetadata]] | None = None
+
+    def get(self, tensors: Any) -> dict[str, TensorStorageMetadata] | None:
+        last = self._last
+        return last[1] if last is not None and last[0] is tensors else None
+
+    def put(self, tensors: Any, built: dict[str, TensorStorageMetadata]) -> None:
+        self._last = (tensors, built)
+
+
+_TABLES = _TableCache()
+
+
 def _build_metadata(
     plan: SavePlan, sums: list[str], objects: tuple[dict[str, Any], dict[str, str]], block_bytes: int
 ) -> StorageMetadata:
@@ -436,15 +456,19 @@ def _build_metadata(
             table.append(
                 DataFile(name=rp.file, size=rp.size, header_bytes=len(rp.header), header=file_digest(rp.header), sums=sums[rank])
             )
-    tensors = {}
-    for key, tp in plan.tensors.items():
-        rows = []
-        for rank, j in tp.chunks:
-            it = plan.ranks[rank].items[j]
-            rows.append((numbers[rank], it.offsets, it.lengths, it.flat))
-        chunks = ChunkTable.from_chunks(rows, len(tp.shape))
-        tensors[key] = tm = TensorStorageMetadata.model_construct(shape=tp.shape, dtype=tp.dtype, is_sharded=tp.is_sharded, table=chunks.to_json())
-        tm._table = chunks
+    tensors = _TABLES.get(plan.tensors)
+    if tensors is None:
+        tensors = {}
+        for key, tp in plan.tensors.items():
+            rows = []
+            for rank, j in tp.chunks:
+                it = plan.ranks[rank].items[j]
+                rows.append((numbers[rank], it.offsets, it.lengths, it.flat))
+            chunks = ChunkTable.from_chunks(rows, len(tp.shape))
+            tensors[key] = tm = TensorStorageMetadata.model_construct(shape=tp.shape, dtype=tp.dtype, is_sharded=tp.is_sharded, table=chunks.to_json())
+            tm._table = chunks
+        _TABLES.put(plan.tensors, tensors)
+    tensors = {key: tm.model_copy() for key, tm in tensors.items()}  # each document its own (they point back to it)
     return StorageMetadata(
         checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=block_bytes),
         file_table=table,

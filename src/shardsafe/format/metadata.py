@@ -207,6 +207,11 @@ class TensorStorageMetadata(BaseModel):
             raise ValueError(str(e)) from None
         return v
 
+    def __eq__(self, other: object) -> bool:  # the fields: not the decoded table or the document it belongs to
+        return type(other) is type(self) and self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, and holds dicts
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
@@ -360,6 +365,11 @@ class StorageMetadata(BaseModel):
 
     _resolver: Resolver | None = PrivateAttr(default=None)
     _file_numbers: dict[str, int] | None = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:  # the fields: not whether, or where, it is bound
+        return type(other) is type(self) and self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
 
     def model_post_init(self, _context: Any) -> None:
         for key, t in self.tensors.items():
