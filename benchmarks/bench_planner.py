@@ -97,7 +97,7 @@ from math import prod
 from shardsafe._gc import paused_gc
 from shardsafe.engine import plan_cache
 from shardsafe.engine.writer import _build_metadata
-from shardsafe.format.checksum import encode_digests
+from shardsafe.format.checksum import file_digest
 from shardsafe.format.metadata import StorageMetadata
 from shardsafe.knobs import KNOBS
 from shardsafe.planning.geometry import Piece, chunk_bounds
@@ -209,11 +209,28 @@ def build_all(builder: Builder, model, world: int) -> tuple[list[list[TensorDesc
 
 def metadata_from_plan(plan: SavePlan) -> StorageMetadata:
     """What ``engine.writer`` commits, with every block digest 0 (no bytes are written here)."""
-    block = KNOBS.checksum_block_bytes
-    sums = [
-        [encode_digests([0] * -(-(it.byte_range[1] - it.byte_range[0]) // block)) for it in r.items] for r in plan.ranks
-    ]
-    return _build_metadata(plan, sums, ({}, {}), block)
+    sums = [file_digest(bytes(r.sums_range[1] - r.sums_range[0])) if r.file is not None else "" for r in plan.ranks]
+    return _build_metadata(plan, sums, ({}, {}), KNOBS.checksum_block_bytes)
+
+
+class HeaderStore:
+    """Serves what a v3 loading rank reads before any data: each data file's header (from the
+    plan) and its checksum entry (zeros, as :func:`metadata_from_plan` digests them)."""
+
+    url = "bench://"
+
+    def __init__(self, plan: SavePlan) -> None:
+        self.files = {r.file: r for r in plan.ranks if r.file is not None}
+
+    def read_into(self, name: str, offset: int, buffers: list) -> None:
+        r = self.files[name]
+        (buf,) = buffers
+        if offset == 0:
+            buf[:] = r.header[: len(buf)]
+        elif offset == r.sums_range[0]:
+            buf[:] = bytes(len(buf))
+        else:
+            raise AssertionError(f"{name}: a load's planning read data at {offset}")
 
 
 def fsdp_targets(meta: StorageMetadata, world: int, rank: int) -> dict[str, list[Piece]]:
@@ -290,10 +307,11 @@ def measure_ours(
     """First save, cached save and one rank's load of ``descs``; adds rows to ``table``."""
     tag = f"[{layout} {world}] ours"
     pieces = sum(len(d.pieces) for rank in descs for d in rank)
-    plan, dt_plan = timed(lambda: plan_save(descs, save_id="x", split_bytes=SPLIT_BYTES), prof)
+    plan, dt_plan = timed(lambda: plan_save(descs, save_id="x", split_bytes=SPLIT_BYTES, block_bytes=KNOBS.checksum_block_bytes), prof)
     table.add(f"{tag} plan_save", dt_plan, f"{pieces} pieces", f"desc {mib:.0f} MiB; {_plan_stats(plan)}")
+    headers = HeaderStore(plan)
     meta, dt_meta = timed(partial(metadata_from_plan, plan), prof)
-    chunks = sum(len(s) for t in meta.tensors.values() for s in t.shard_spec_per_file.values())
+    chunks = sum(t.chunk_count() for t in meta.tensors.values())
     table.add(f"{tag} build StorageMetadata", dt_meta, f"{chunks} chunks")
     raw, dt_json = timed(meta.to_json, prof)
     mb = len(raw) / 1e6
@@ -318,11 +336,13 @@ def measure_ours(
     targets = fsdp_targets(parsed, target_world, rank)
 
     def indexes():
-        return {key: StoredIndex(t) for key, t in parsed.tensors.items()}
+        parsed.bind(headers)
+        return {key: StoredIndex(t, targets[key]) for key, t in parsed.tensors.items()}
 
     idx, dt_idx = timed(indexes, prof)
     segs = sum(len(i.segments) for i in idx.values())
-    table.add(f"{tag} StoredIndex x{len(idx)} (one rank)", dt_idx, f"{segs} segments")
+    read = len(parsed.resolver._files) if parsed.resolver is not None else 0
+    table.add(f"{tag} StoredIndex x{len(idx)} (one rank)", dt_idx, f"{segs} segments", f"{read} file headers read")
 
     def reads():
         n = 0
@@ -606,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
             m = measure_ours(layout, descs, mib, world, table, profs.get(layout))
             if not args.no_dcp:
                 if targets_meta is None:
-                    targets_meta = metadata_from_plan(plan_save(descs, save_id="t", split_bytes=SPLIT_BYTES))
+                    targets_meta = metadata_from_plan(plan_save(descs, save_id="t", split_bytes=SPLIT_BYTES, block_bytes=KNOBS.checksum_block_bytes))
                 m.update(measure_dcp(layout, descs, world, targets_meta, table))
             results[layout][world] = m
             del descs
