@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from ..errors import DtypeMismatchError, ShapeMismatchError
+from ..errors import DtypeMismatchError, ShapeMismatchError, ShardingError
 from ..format.dtypes import SAFETENSORS_CODE, torch_dtype
 from ..format.file_index import SUMS_ENTRY, entry_name
 from ..format.safetensors_file import FileEntry, layout_file
@@ -170,11 +170,20 @@ def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int, 
             continue
         entries = []
         blocks = 0
+        names: dict[str, tuple[Shape, Shape, tuple[int, int] | None]] = {}
         for key, _idx, off, lens, flat in items:
             shape, code, itemsize = file_facts[key]
+            name = entry_name(key, shape, off, lens, flat)
+            if name in names:  # two flattened boxes of one key at one offset, with ranges starting alike
+                raise ShardingError(
+                    f"key {key!r}: rank {rank} would write two chunks named {name!r} (box {list(names[name][1])} range "
+                    f"{names[name][2]} and box {list(lens)} range {flat}, both at {list(off)}); a data file cannot hold "
+                    "flattened ranges of two different boxes at the same offset that start at the same element"
+                )
+            names[name] = (off, lens, flat)
             shape_in_file = lens if flat is None else (flat[1] - flat[0],)
             nbytes = prod(shape_in_file) * itemsize
-            entries.append(FileEntry(entry_name(key, shape, off, lens, flat), code, shape_in_file, nbytes))
+            entries.append(FileEntry(name, code, shape_in_file, nbytes))
             blocks += -(-nbytes // block_bytes)
         entries.append(FileEntry(SUMS_ENTRY, "U8", (blocks * DIGEST_BYTES,), blocks * DIGEST_BYTES))
         layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "3"})

@@ -1,0 +1,121 @@
+"""Format v3 pieces on their own: the run coding of chunk tables, the grid rule against the
+general tiling check, and layouts at the edges of the naming rule."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardsafe
+from shardsafe import Checkpointer, CorruptCheckpointError, ShardedTensor, ShardingError
+from shardsafe.format.chunk_table import ChunkTable, decode_runs, encode_runs
+from shardsafe.planning.geometry import check_tiling
+
+from .simulate import simulate_save
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=50), max_size=40))
+def test_runs_decode_to_the_values_they_encode(values):
+    runs = encode_runs(values)
+    assert decode_runs(runs, len(values), what="t").tolist() == values
+    assert all(count >= 1 for _, _, count in runs)
+
+
+def test_a_regular_column_is_one_run_whatever_its_length():
+    assert encode_runs(range(0, 4096 * 3, 3)) == [[0, 3, 4096]]
+    assert encode_runs([7] * 1000) == [[7, 0, 1000]]
+    assert encode_runs([]) == []
+
+
+@pytest.mark.parametrize(
+    ("runs", "n", "message"),
+    [
+        ([[0, 1, 3]], 4, "the runs hold 3 values, the table has 4"),
+        ([[0, 1, 5]], 4, "the runs hold more than the table's 4 values"),
+        ([[5, -2, 4]], 4, r"run \[5, -2, 4\] has values outside \[0, 2\*\*62\)"),
+        ([[0, 1, 0]], 0, "a count below 1"),
+        ([[0, 1]], 2, "each run must be"),
+        ([[0, 1, "2"]], 2, "each run must be"),
+        ({"a": 1}, 2, "must be a list"),
+    ],
+)
+def test_malformed_runs_are_refused(runs, n, message):
+    with pytest.raises(CorruptCheckpointError, match=message):
+        decode_runs(runs, n, what="t")
+
+
+def _boxes(draw_cuts, shape):
+    """The cells of a grid over ``shape`` cut at ``draw_cuts[d]``: (offsets, lengths) per cell."""
+    axes = []
+    for d, n in enumerate(shape):
+        cuts = sorted({0, n, *[c for c in draw_cuts[d] if 0 < c < n]})
+        axes.append(list(zip(cuts[:-1], np.diff(cuts).tolist())))
+    cells = [((), ())]
+    for axis in axes:
+        cells = [(o + (a,), ln + (b,)) for o, ln in cells for a, b in axis]
+    return cells
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=3),
+    st.lists(st.lists(st.integers(min_value=0, max_value=6), max_size=3), min_size=3, max_size=3),
+    st.randoms(use_true_random=False),
+    st.sampled_from(["grid", "drop", "dup", "merge"]),
+)
+def test_the_grid_rule_agrees_with_the_general_tiling_check(shape, cuts, rnd, change):
+    """``grid_cells`` may say "not a grid" for a layout that tiles (then the general check runs),
+    but never "tiles" for one that does not."""
+    shape = tuple(shape)
+    cells = _boxes(cuts, shape)
+    rnd.shuffle(cells)
+    if change == "drop" and len(cells) > 1:
+        cells = cells[1:]
+    elif change == "dup":
+        cells = [*cells, cells[0]]
+    elif change == "merge" and len(cells) > 1:  # one box over two cells: still a tiling if they were neighbours
+        (o1, l1), (o2, l2) = cells[0], cells[1]
+        lo = tuple(min(a, b) for a, b in zip(o1, o2))
+        hi = tuple(max(a + x, b + y) for a, x, b, y in zip(o1, l1, o2, l2))
+        cells = [(lo, tuple(h - a for h, a in zip(hi, lo))), *cells[2:]]
+    table = ChunkTable.from_chunks([(0, o, ln, None) for o, ln in cells], len(shape))
+    try:
+        check_tiling("t", shape, [(o, ln, None) for o, ln in cells])
+        tiles = True
+    except ShardingError:
+        tiles = False
+    if table.grid_cells(shape):
+        assert tiles, cells
+    if change == "grid":
+        assert table.grid_cells(shape) and tiles
+
+
+def test_two_flattened_boxes_that_would_share_a_name_are_refused_before_anything_is_written(tmp_path):
+    t = torch.arange(16.0).reshape(4, 4)
+
+    def flat(o, ln, a, b):
+        box = t[o[0] : o[0] + ln[0], o[1] : o[1] + ln[1]].reshape(-1)[a:b].clone()
+        return ShardedTensor("t", box, (4, 4), o, ln, flattened_range=slice(a, b))
+
+    rank0 = {"a": flat((0, 0), (2, 4), 4, 5), "b": flat((0, 0), (4, 2), 4, 5)}
+    rank1 = {"a": flat((0, 0), (4, 4), 0, 4), "b": flat((0, 0), (4, 4), 5, 8), "c": flat((0, 0), (4, 4), 9, 16)}
+    with pytest.raises(ShardingError, match=r"key 't': rank 0 would write two chunks named 't@0,0\+4' \(box \[2, 4\] range \(4, 5\) and box \[4, 2\]"):
+        simulate_save(str(tmp_path / "c"), [rank0, rank1])
+    assert not os.path.exists(tmp_path / "c") or os.listdir(tmp_path / "c") == []
+
+
+def test_a_flattened_range_over_its_whole_box_loads_and_verifies(tmp_path):
+    t = torch.arange(12.0).reshape(4, 3)
+    path = str(tmp_path / "c")
+    r0 = {"t": ShardedTensor("t", t[:2].reshape(-1).clone(), (4, 3), (0, 0), (2, 3), flattened_range=slice(0, 6))}
+    r1 = {"t": ShardedTensor("t", t[2:].clone(), (4, 3), (2, 0), (2, 3))}
+    simulate_save(path, [r0, r1])
+    report = shardsafe.verify(path)
+    assert report.ok and report.chunks == 2 and report.bytes == 48
+    assert torch.equal(Checkpointer().unshard(path)["t"], t)
