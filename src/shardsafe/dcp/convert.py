@@ -136,6 +136,7 @@ def convert(
             whole = len(chunks) == 1 and chunks[0][1] == shape
             tensors[key] = TensorStorageMetadata(shape=shape, dtype=dtype_name(dtype), is_sharded=not whole, shard_spec_per_file=specs[key])
         meta = StorageMetadata(
+            format_version=2,  # laid out as format v2: chunk places and checksums in metadata.json
             checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=cblock),
             files=files,
             tensors=tensors,

@@ -311,6 +311,7 @@ class StorageWriter(Located, _DcpStorageWriter):
         if chunks:
             raise CheckpointError(f"{self._url()}: ranks wrote chunks of {sorted(chunks)[:5]}, which DCP's metadata does not name")
         return StorageMetadata(
+            format_version=2,  # laid out as format v2: chunk places and checksums in metadata.json
             checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=self.knobs.checksum_block_bytes),
             files=files,
             tensors=tensors,
