@@ -263,7 +263,10 @@ class TensorStorageMetadata(BaseModel):
         itemsize = self.torch_dtype.itemsize
         for i in indices:
             f, off, lens, flat = table.chunk(i)
-            index = resolver.file(f)
+            try:
+                index = resolver.file(f)
+            except CorruptCheckpointError as e:  # the file's own damage, named with the key that needed it
+                raise type(e)(f"key {self._key!r}: {e}") from None
             name = entry_name(self._key, self.shape, off, lens, flat)
             numel = flat[1] - flat[0] if flat is not None else prod(lens)
             begin, end, _ = index.locate(name, numel * itemsize, key=self._key)
