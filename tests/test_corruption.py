@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 import shardsafe
 from shardsafe import Checkpointer, CorruptCheckpointError, IncompleteCheckpointError, ShardedTensor
@@ -540,6 +541,88 @@ def test_corrupt_safetensors_header_is_reported_by_verify(saved: str, case: str)
     assert not report.ok
     assert report.errors and all(file in e for e in report.errors)
     assert any(re.search(pattern, e) for e in report.errors)
+
+
+# --- format v3: what each data file's header and checksum entry say about its chunks --------
+
+
+def _header_of(raw: bytes) -> tuple[int, dict[str, Any]]:
+    (n,) = struct.unpack("<Q", raw[:8])
+    return 8 + n, json.loads(raw[8 : 8 + n])
+
+
+def test_damaged_checksum_entry_is_reported_by_every_reader(saved: str) -> None:
+    """A flipped byte in a file's ``__shardsafe_checksums__`` entry: its digest in metadata.json
+    no longer matches, so no digest of that file is trusted, and every reader names the file."""
+    file, _ = _chunk(saved, "w")
+    start, header = _header_of(open_storage(saved).read(file))
+    begin, end = header["__shardsafe_checksums__"]["data_offsets"]
+    assert end - begin == 2 * 8  # one digest per chunk (each one block)
+    _flip_byte(saved, file, start + begin + 11)
+
+    pattern = rf"(?s)(?=.*{re.escape(file)}).*checksum mismatch in '__shardsafe_checksums__': metadata\.json says [0-9a-f]{{16}}, its bytes hash to [0-9a-f]{{16}}"
+    report = _assert_every_reader_refuses(saved, pattern)
+    assert len(report.errors) == 1 and file in report.errors[0]
+
+
+def _rewrite_header(location: str, file: str, old: bytes, new: bytes, *, redigest: bool) -> None:
+    """Replace ``old`` by ``new`` (as long) in the file's header; ``redigest``: record the new
+    header's digest in metadata.json too (a crafted file), so the digest check passes."""
+    assert len(old) == len(new)
+    raw = open_storage(location).read(file)
+    start, _ = _header_of(raw)
+    assert raw[:start].count(old) == 1
+    damaged = raw[:start].replace(old, new) + raw[start:]
+    _rewrite(location, file, damaged)
+    if redigest:
+        m = _meta(location)
+        (entry,) = m["file_table"]
+        entry["header"] = f"{xxhash.xxh3_64_intdigest(damaged[:start]):016x}"
+        _put_meta(location, m)
+
+
+def test_damaged_byte_range_in_header_is_a_digest_mismatch_for_every_reader(saved: str) -> None:
+    """v3 takes each chunk's byte range from its file's header: a changed range there is caught by
+    the header's digest in metadata.json, by every reader, naming the file."""
+    file, spec = _chunk(saved, "w")
+    assert spec.byte_range[1] - spec.byte_range[0] == 160
+    _rewrite_header(saved, file, b'"data_offsets":[0,160]', b'"data_offsets":[8,168]', redigest=False)
+
+    pattern = rf"(?s)(?=.*{re.escape(file)}).*checksum mismatch.*metadata(\.json)? says [0-9a-f]{{16}}, the header hashes to [0-9a-f]{{16}}"
+    report = _assert_every_reader_refuses(saved, pattern)
+    assert len(report.errors) == 1 and file in report.errors[0]
+
+
+def test_header_without_the_entry_of_a_chunk_is_reported_by_every_reader(saved: str) -> None:
+    """A (crafted, digest-matching) header that lacks the entry metadata.json places a chunk in:
+    the readers of that chunk name the file, the key and the entry; the other key loads."""
+    file, _ = _chunk(saved, "w")
+    _rewrite_header(saved, file, b'"w":{', b'"v":{', redigest=True)
+
+    pattern = rf"(?s)(?=.*{re.escape(file)})(?=.*'w').*it has no entry 'w'"
+    report = _assert_every_reader_refuses(saved, pattern)
+    assert len(report.errors) == 1 and file in report.errors[0] and "no entry 'w'" in report.errors[0]
+    b = torch.zeros(7, dtype=torch.int64)
+    Checkpointer().load(saved, {"b": b})
+    assert_bitexact(b, _source()["b"])
+
+
+def test_entry_size_that_disagrees_with_the_metadata_is_reported(saved: str) -> None:
+    """metadata.json says ``w`` is float64 (so 320 bytes), its file's entry holds 160: v2 caught
+    this in the byte range; v3 when the entry is located."""
+    file, _ = _chunk(saved, "w")
+    m = _meta(saved)
+    m["tensors"]["w"]["dtype"] = "float64"
+    _put_meta(saved, m)
+    pattern = rf"(?s){re.escape(file)}.*tensor 'w': entry 'w' holds 160 bytes, the chunk needs 320"
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().load(saved, {"w": torch.zeros(8, 5, dtype=torch.float64)})
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().unshard(saved, no_dist=True)
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        shardsafe.verify(saved)
+    report = shardsafe.verify(saved, collect_all=True)
+    assert len(report.errors) == 1 and re.search(pattern, report.errors[0])
 
 
 # --- every byte a load returns is verified, whatever the layout ---------------------------
