@@ -59,10 +59,12 @@ def _data_file(d: Path) -> Path:
 def test_inspect_prints_the_table(ckpt, capsys):
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out.splitlines()
-    size = json.loads((ckpt / "metadata.json").read_bytes())["files"][_data_file(ckpt).name]["size"]
+    (entry,) = json.loads((ckpt / "metadata.json").read_bytes())["file_table"]
+    assert entry["name"] == _data_file(ckpt).name
+    size = entry["size"]
     assert out == [
         f"checkpoint      {ckpt}",
-        "format version  2",
+        "format version  3",
         f"size            {size} B ({size} bytes) in 1 data file(s)",
         "tensors         3 (174 B)",
         "values          2 JSON, 0 pickled",
@@ -82,7 +84,7 @@ def test_inspect_json_in_a_subprocess(ckpt):
     r = cli("inspect", ckpt, "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["format_version"] == 2
+    assert doc["format_version"] == 3
     assert doc["tensors"] == {
         "model.b": {"shape": [5], "dtype": "int64", "bytes": 40, "chunks": 1, "sharded": False},
         "model.h": {"shape": [3], "dtype": "bfloat16", "bytes": 6, "chunks": 1, "sharded": False},
@@ -122,10 +124,9 @@ def test_verify_ok_quiet_and_json(ckpt, capsys):
 
 
 def _corrupt(d: Path, key: str) -> None:
-    meta = json.loads((d / "metadata.json").read_bytes())
-    ((file, (spec,)),) = meta["tensors"][key]["shard_spec_per_file"].items()
+    ((file, spec),) = Checkpointer().get_metadata(d, no_dist=True).tensors[key].chunks()
     raw = bytearray((d / file).read_bytes())
-    raw[spec["byte_range"][0]] ^= 0xFF
+    raw[spec.byte_range[0]] ^= 0xFF
     (d / file).write_bytes(bytes(raw))
 
 

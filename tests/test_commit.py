@@ -103,7 +103,7 @@ def _assert_holds_exactly(location: str, options: dict, job: int) -> None:
     no other data file is left."""
     storage = open_storage(location, **options)
     meta = json.loads(storage.read(META))
-    named = {f for t in meta["tensors"].values() for f in t["shard_spec_per_file"]}
+    named = {f["name"] for f in meta["file_table"]}
     assert len(named) == 2
     assert sorted(storage.list()) == sorted([META, *named])
     out = Checkpointer().unshard(storage)

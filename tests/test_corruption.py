@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 import shardsafe
 from shardsafe import Checkpointer, CorruptCheckpointError, IncompleteCheckpointError, ShardedTensor
@@ -65,6 +66,19 @@ def location(request, tmp_path: Path):
 def saved(location: str) -> str:
     """A committed checkpoint of :func:`_source` (one data file, chunks ``w`` then ``b``)."""
     Checkpointer().save(location, _source())
+    return location
+
+
+V2 = Path(__file__).parent / "data" / "v2_checkpoint"
+
+
+@pytest.fixture
+def saved_v2(location: str) -> str:
+    """A copy of the format-v2 checkpoint in ``tests/data`` (``w`` 6 x 5 float32 in two files,
+    its first chunk ``w@0,0`` rows 0-2 in ``shard-r00000-5eed.safetensors``)."""
+    store = open_storage(location)
+    for f in sorted(V2.iterdir()):
+        store.put_atomic(f.name, f.read_bytes(), overwrite=True)
     return location
 
 
@@ -225,13 +239,20 @@ def test_nonexistent_location_is_incomplete(tmp_path: Path, op: str) -> None:
     ],
 )
 @pytest.mark.parametrize("op", ["load", "unshard", "get_metadata", "verify", "verify-collect-all"])
+@pytest.mark.parametrize("version", [3, 2])
 def test_data_file_outside_checkpoint_is_refused_and_nothing_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad_name: str, op: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad_name: str, op: str, version: int
 ) -> None:
+    """v3: the name in ``file_table``; v2: the name in ``files`` and ``shard_spec_per_file``."""
     d = tmp_path / "ckpt"
-    Checkpointer().save(str(d), _source())
+    if version == 3:
+        Checkpointer().save(str(d), _source())
+    else:
+        d.mkdir()
+        for f in V2.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
     meta = _meta(str(d))
-    (good,) = meta["tensors"]["w"]["shard_spec_per_file"]
+    good = meta["file_table"][0]["name"] if version == 3 else sorted(meta["files"])[0]
     raw = (d / good).read_bytes()
     # valid copies wherever a bad name could lead, so that reading one would succeed
     (tmp_path / "evil.safetensors").write_bytes(raw)
@@ -240,8 +261,12 @@ def test_data_file_outside_checkpoint_is_refused_and_nothing_read(
     (d / ".hidden.safetensors").write_bytes(raw)
     if bad_name == "ABSOLUTE":
         bad_name = str(tmp_path / "evil.safetensors")
-    for t in meta["tensors"].values():
-        t["shard_spec_per_file"] = {bad_name: t["shard_spec_per_file"][good]}
+    if version == 3:
+        meta["file_table"][0]["name"] = bad_name
+    else:
+        meta["files"][bad_name] = meta["files"].pop(good)
+        for t in meta["tensors"].values():
+            t["shard_spec_per_file"] = {(bad_name if f == good else f): specs for f, specs in t["shard_spec_per_file"].items()}
     _put_meta(str(d), meta)
 
     reads: list[tuple[str, int]] = []
@@ -261,45 +286,50 @@ def test_data_file_outside_checkpoint_is_refused_and_nothing_read(
 # --- invalid metadata ------------------------------------------------------------------------
 
 
-SPEC = object()  # a path step: the single chunk spec of tensor "w"
+SPEC = object()  # a path step (v2 fixture): the first chunk spec of tensor "w", w@0,0 in shard-r00000-5eed.safetensors
+FILE = object()  # a path step (v3): the file table's only entry
 _ONE_BLOCK = base64.b64encode(bytes(8)).decode()  # the checksums of a chunk of one block
 
 
 def _spec_of(m: dict[str, Any], key: str = "w") -> dict[str, Any]:
-    (specs,) = m["tensors"][key]["shard_spec_per_file"].values()
-    return specs[0]
+    return m["tensors"][key]["shard_spec_per_file"]["shard-r00000-5eed.safetensors"][0]
 
 
-def _split_rows(m: dict[str, Any], first: tuple[int, int], second: tuple[int, int]) -> None:
-    """Store ``w`` (8 x 5 float32) as two row blocks, with byte ranges of the right sizes."""
-    (file,) = m["tensors"]["w"]["shard_spec_per_file"]
-    spec = _spec_of(m)
-    start = spec["byte_range"][0]
-    specs = []
-    for lo, hi in (first, second):
-        n = (hi - lo) * 5 * 4
-        specs.append({**spec, "name": f"w@{lo},0", "global_offset": [lo, 0], "local_shape": [hi - lo, 5], "byte_range": [start, start + n], "checksums": _ONE_BLOCK})
-        start += n
-    m["tensors"]["w"]["shard_spec_per_file"][file] = specs
+def _table(m: dict[str, Any], key: str = "w") -> dict[str, Any]:
+    return m["tensors"][key]["table"]
 
 
-def _split_flat(m: dict[str, Any], first: tuple[int, int], second: tuple[int, int]) -> None:
-    """Store ``w`` as two flat ranges of its whole box."""
-    (file,) = m["tensors"]["w"]["shard_spec_per_file"]
-    spec = _spec_of(m)
-    start = spec["byte_range"][0]
-    specs = []
-    for lo, hi in (first, second):
-        n = (hi - lo) * 4
-        specs.append({**spec, "name": f"w@0,0+{lo}", "flattened_range": [lo, hi], "byte_range": [start, start + n]})
-        start += n
-    m["tensors"]["w"]["shard_spec_per_file"][file] = specs
+def _chunks_of_w(boxes: list[tuple[list[int], list[int]]], flat: list[tuple[int, int]] | None = None):
+    """Store ``w`` (8 x 5 float32, format v3) as the chunks ``(offsets, lengths)``, all in file 0,
+    each value a run of its own (and ``flat`` ranges, if given)."""
+
+    def mutate(m: dict[str, Any]) -> None:
+        n = len(boxes)
+        table = {
+            "count": n,
+            "file": [[0, 0, n]],
+            "offset": [[[off[d], 0, 1] for off, _ in boxes] for d in range(2)],
+            "length": [[[lens[d], 0, 1] for _, lens in boxes] for d in range(2)],
+        }
+        if flat is not None:
+            table["flat"] = [[[lo, 0, 1] for lo, _ in flat], [[hi, 0, 1] for _, hi in flat]]
+        m["tensors"]["w"]["table"] = table
+
+    return mutate
+
+
+def _rows(first: tuple[int, int], second: tuple[int, int]):
+    return _chunks_of_w([([lo, 0], [hi - lo, 5]) for lo, hi in (first, second)])
+
+
+def _flats(first: tuple[int, int], second: tuple[int, int]):
+    return _chunks_of_w([([0, 0], [8, 5])] * 2, flat=[first, second])
 
 
 def _node(m: dict[str, Any], path: tuple) -> dict[str, Any]:
     node = m
     for step in path:
-        node = _spec_of(m) if step is SPEC else node[step]
+        node = _spec_of(m) if step is SPEC else m["file_table"][0] if step is FILE else node[step]
     return node
 
 
@@ -326,11 +356,11 @@ def _shift_byte_range(delta_start: int, delta_end: int):
 
 
 def _negative_byte_range(m: dict[str, Any]) -> None:
-    _spec_of(m)["byte_range"] = [-160, 0]
-
+    _spec_of(m)["byte_range"] = [-60, 0]
 
 
 _INVALID: dict[str, tuple[Any, str]] = {
+    # any format: run on a checkpoint this shardsafe writes (format v3)
     # name: (raw bytes, or a mutation of the parsed metadata; pattern the message must match)
     "empty-file": (b"", "invalid checkpoint metadata"),
     "not-json": (b"{this is not json", "invalid checkpoint metadata"),
@@ -340,52 +370,100 @@ _INVALID: dict[str, tuple[Any, str]] = {
     "no-tensors": (_drop(("tensors",)), "(?s)invalid checkpoint metadata.*tensors"),
     "no-shape": (_drop(("tensors", "w", "shape")), "(?s)invalid checkpoint metadata.*shape"),
     "no-dtype": (_drop(("tensors", "w", "dtype")), "(?s)invalid checkpoint metadata.*dtype"),
+    "unknown-algorithm": (_set(("checksum", "algorithm"), "md5"), "(?s)invalid checkpoint metadata.*unknown checksum algorithm 'md5'"),
+    "block-bytes-odd": (_set(("checksum", "block_bytes"), 1000), "(?s)invalid checkpoint metadata.*block_bytes"),
+    "shape-not-ints": (_set(("tensors", "w", "shape"), ["a", "b"]), "(?s)invalid checkpoint metadata.*shape"),
+    "unknown-dtype": (_set(("tensors", "w", "dtype"), "float128"), "(?s)metadata\\.json.*float128"),
+    "only-part-stored": (lambda m: m["tensors"]["w"].update(shape=[9, 5]), r"(?s)'w'.*gap"),
+    # format v3: the file table and the chunk tables
+    "no-checksum-config": (_drop(("checksum",)), "(?s)invalid checkpoint metadata.*format_version 3 metadata lacks the 'checksum' field"),
+    "no-file-table": (_drop(("file_table",)), "(?s)invalid checkpoint metadata.*format_version 3 metadata lacks the 'file_table' field"),
+    "v2-files-in-v3": (lambda m: m.update(files={}), "(?s)invalid checkpoint metadata.*format_version 3 metadata has the 'files' field"),
+    "file-twice": (lambda m: m["file_table"].append(dict(m["file_table"][0])), "(?s)invalid checkpoint metadata.*the file table names .*safetensors' twice"),
+    "header-digest-not-hex": (_set((FILE, "header"), "XYZ"), "(?s)invalid checkpoint metadata.*file_table.0.header"),
+    "sums-digest-not-hex": (_set((FILE, "sums"), "0" * 15), "(?s)invalid checkpoint metadata.*file_table.0.sums"),
+    "no-header-bytes": (_drop((FILE, "header_bytes")), "(?s)invalid checkpoint metadata.*header_bytes"),
+    "file-unknown-field": (_set((FILE, "surprise"), 1), "(?s)invalid checkpoint metadata.*surprise"),
+    "no-table": (_drop(("tensors", "w", "table")), r"(?s)invalid checkpoint metadata.*'w'.*has a 'table' and no 'shard_spec_per_file'"),
+    "v2-specs-in-v3": (_set(("tensors", "w", "shard_spec_per_file"), {}), r"(?s)invalid checkpoint metadata.*'w'.*has a 'table' and no 'shard_spec_per_file'"),
+    "table-unknown-field": (_set(("tensors", "w", "table", "surprise"), 1), r"'w': a chunk table has the members count, file, offset, length"),
+    "table-count-more-than-runs": (_set(("tensors", "w", "table", "count"), 2), r"'w': file: the runs hold 1 values, the table has 2"),
+    "runs-hold-too-many": (lambda m: _table(m)["offset"][1].append([0, 0, 1]), r"'w': offset\[1\]: the runs hold more than the table's 1 values"),
+    "runs-hold-too-few": (lambda m: _table(m)["length"][0].clear(), r"'w': length\[0\]: the runs hold 0 values, the table has 1"),
+    "run-count-zero": (lambda m: _table(m).update(count=0, file=[[0, 0, 0]]), r"'w': file: run \[0, 0, 0\] has values outside \[0, 2\*\*62\) or a count below 1"),
+    "one-dimension-missing": (lambda m: _table(m)["offset"].pop(), r"'w': offset must have one list of runs per dimension \(2\)"),
+    "file-index-past-table": (_set(("tensors", "w", "table", "file"), [[1, 0, 1]]), r"'w': a chunk names data file 1; the checkpoint has 1"),
+    "chunk-outside-tensor": (lambda m: _table(m)["offset"][0].__setitem__(0, [1, 0, 1]), r"'w': a chunk's box leaves the tensor's shape \[8, 5\] in dimension 0"),
+    "chunk-empty": (lambda m: _table(m)["length"][1].__setitem__(0, [0, 0, 1]), r"'w': a chunk's box leaves the tensor's shape \[8, 5\] in dimension 1, or is empty"),
+    "rows-overlap": (_rows((0, 4), (3, 8)), r"(?s)'w'.*overlap"),
+    "rows-gap": (_rows((0, 4), (5, 8)), r"(?s)'w'.*gap"),
+    "rows-duplicate": (_rows((0, 8), (0, 8)), r"(?s)'w'.*overlap"),
+    "flat-overlap": (_flats((0, 25), (20, 40)), r"(?s)'w'.*overlap"),
+    "flat-gap": (_flats((0, 20), (25, 40)), r"(?s)'w'.*gap"),
+    "flat-past-box": (_flats((0, 20), (20, 41)), r"'w': a flattened range is empty or leaves its box"),
+    "flat-empty": (_flats((0, 0), (0, 40)), r"'w': a flattened range is empty or leaves its box"),
+}
+
+_INVALID_V2: dict[str, tuple[Any, str]] = {
+    # format v2 only (per-chunk byte ranges and checksums, the files table): run on tests/data/v2_checkpoint
     "no-checksums": (_drop((SPEC, "checksums")), "(?s)invalid checkpoint metadata.*'w'.*needs checksums"),
     "v1-crc-in-v2": (_set((SPEC, "crc32c"), 5), "(?s)invalid checkpoint metadata.*'w'.*needs checksums and no crc32c"),
     "checksums-short": (_set((SPEC, "checksums"), "AAAA"), "(?s)invalid checkpoint metadata.*'w'.*4 characters of checksums, expected 12"),
     "checksums-not-base64": (_set((SPEC, "checksums"), "!" * 12), "(?s)invalid checkpoint metadata.*checksums"),
     "no-checksum-config": (_drop(("checksum",)), "(?s)invalid checkpoint metadata.*lacks the 'checksum' field"),
-    "unknown-algorithm": (_set(("checksum", "algorithm"), "md5"), "(?s)invalid checkpoint metadata.*unknown checksum algorithm 'md5'"),
-    "block-bytes-odd": (_set(("checksum", "block_bytes"), 1000), "(?s)invalid checkpoint metadata.*block_bytes"),
     "no-files-table": (_drop(("files",)), "(?s)invalid checkpoint metadata.*lacks the 'files' field"),
     "files-table-differs": (lambda m: m["files"].update({"other.safetensors": {"size": 100, "header": "0" * 16}}), "(?s)invalid checkpoint metadata.*differ in \\['other.safetensors'\\]"),
     "header-digest-not-hex": (lambda m: next(iter(m["files"].values())).update(header="XYZ"), "(?s)invalid checkpoint metadata.*header"),
     "no-byte-range": (_drop((SPEC, "byte_range")), "(?s)invalid checkpoint metadata.*byte_range"),
-    "shape-not-ints": (_set(("tensors", "w", "shape"), ["a", "b"]), "(?s)invalid checkpoint metadata.*shape"),
     "unknown-field": (_set((SPEC, "surprise"), 1), "(?s)invalid checkpoint metadata.*surprise"),
-    "unknown-dtype": (_set(("tensors", "w", "dtype"), "float128"), "(?s)metadata\\.json.*float128"),
-    "byte-range-short": (_shift_byte_range(0, -4), r"(?s)'w'.*byte range.*does not hold 160 bytes"),
-    "byte-range-long": (_shift_byte_range(0, 4), r"(?s)'w'.*byte range.*does not hold 160 bytes"),
-    "byte-range-reversed": (_shift_byte_range(160, -160), r"(?s)'w'.*byte range.*does not hold 160 bytes"),
-    "byte-range-negative": (_negative_byte_range, r"(?s)'w'.*byte range.*does not hold 160 bytes"),
-    "byte-range-vs-local-shape": (_set((SPEC, "local_shape"), [8, 4]), r"(?s)'w'.*byte range.*does not hold 128 bytes"),
-    "byte-range-vs-dtype": (_set(("tensors", "w", "dtype"), "float64"), r"(?s)'w'.*byte range.*does not hold 320 bytes"),
-    "chunk-outside-tensor": (_set((SPEC, "global_offset"), [1, 0]), r"(?s)'w'.*outside"),
-    "rows-overlap": (lambda m: _split_rows(m, (0, 4), (3, 8)), r"(?s)'w'.*overlap"),
-    "rows-gap": (lambda m: _split_rows(m, (0, 4), (5, 8)), r"(?s)'w'.*gap"),
-    "rows-duplicate": (lambda m: _split_rows(m, (0, 8), (0, 8)), r"(?s)'w'.*overlap"),
-    "flat-overlap": (lambda m: _split_flat(m, (0, 25), (20, 40)), r"(?s)'w'.*overlap"),
-    "flat-gap": (lambda m: _split_flat(m, (0, 20), (25, 40)), r"(?s)'w'.*gap"),
-    "only-part-stored": (lambda m: m["tensors"]["w"].update(shape=[9, 5]), r"(?s)'w'.*gap"),
+    "v3-table-in-v2": (_set(("tensors", "w", "table"), {}), "(?s)invalid checkpoint metadata.*'shard_spec_per_file'.*no tensor a 'table'"),
+    "byte-range-short": (_shift_byte_range(0, -4), r"(?s)'w'.*byte range.*does not hold 60 bytes"),
+    "byte-range-long": (_shift_byte_range(0, 4), r"(?s)'w'.*byte range.*does not hold 60 bytes"),
+    "byte-range-reversed": (_shift_byte_range(60, -60), r"(?s)'w'.*byte range.*does not hold 60 bytes"),
+    "byte-range-negative": (_negative_byte_range, r"(?s)'w'.*byte range.*does not hold 60 bytes"),
+    "byte-range-vs-local-shape": (_set((SPEC, "local_shape"), [3, 4]), r"(?s)'w'.*byte range.*does not hold 48 bytes"),
+    "byte-range-vs-dtype": (_set(("tensors", "w", "dtype"), "float64"), r"(?s)'w'.*byte range.*does not hold 120 bytes"),
+    "byte-ranges-share-bytes": (_shift_byte_range(8, 8), r"chunks 'w@0,0' \(tensor 'w'\) and 'f@0,0,0\+0' \(tensor 'f'\) in 'shard-r00000-5eed.safetensors' share bytes"),
+    "chunk-outside-tensor": (_set((SPEC, "global_offset"), [4, 0]), r"(?s)'w'.*outside"),
 }
+
+
+def _damage_meta(location: str, damage: Any) -> None:
+    if damage == "HALF":
+        raw = open_storage(location).read(META)
+        _put_meta(location, raw[: len(raw) // 2])
+    elif isinstance(damage, bytes):
+        _put_meta(location, damage)
+    else:
+        m = _meta(location)
+        damage(m)
+        _put_meta(location, m)
 
 
 @pytest.mark.parametrize("case", list(_INVALID))
 def test_invalid_metadata_is_corrupt(saved: str, case: str) -> None:
     damage, pattern = _INVALID[case]
-    if damage == "HALF":
-        raw = open_storage(saved).read(META)
-        _put_meta(saved, raw[: len(raw) // 2])
-    elif isinstance(damage, bytes):
-        _put_meta(saved, damage)
-    else:
-        m = _meta(saved)
-        damage(m)
-        _put_meta(saved, m)
-
+    _damage_meta(saved, damage)
     for op in ("get_metadata", "load", "unshard", "verify"):
         with pytest.raises(CorruptCheckpointError, match=pattern) as info:
             _OPERATIONS[op](saved)
+        assert META in str(info.value), op
+
+
+@pytest.mark.parametrize("case", list(_INVALID_V2))
+def test_invalid_v2_metadata_is_corrupt(saved_v2: str, case: str) -> None:
+    """Format v2 stays readable, so its own fields stay checked."""
+    damage, pattern = _INVALID_V2[case]
+    _damage_meta(saved_v2, damage)
+    ops = {
+        "get_metadata": lambda: Checkpointer().get_metadata(saved_v2, no_dist=True),
+        "load": lambda: Checkpointer().load(saved_v2, {"w": torch.zeros(6, 5)}, no_dist=True),
+        "unshard": _OPERATIONS["unshard"],
+        "verify": _OPERATIONS["verify"],
+    }
+    for op, call in ops.items():
+        with pytest.raises(CorruptCheckpointError, match=pattern) as info:
+            call() if op in ("get_metadata", "load") else call(saved_v2)
         assert META in str(info.value), op
 
 
@@ -394,11 +472,11 @@ def test_newer_format_version_asks_for_upgrade(saved: str, extra: dict[str, Any]
     """A checkpoint from a newer shardsafe is refused with 'upgrade', even when the newer
     format added fields that this version does not know."""
     m = _meta(saved)
-    m["format_version"] = 3
+    m["format_version"] = 4
     m.update(extra)
     _put_meta(saved, m)
     for op in ("get_metadata", "load", "unshard", "verify"):
-        with pytest.raises(CorruptCheckpointError, match=r"(?s)metadata\.json.*format_version 3.*upgrade"):
+        with pytest.raises(CorruptCheckpointError, match=r"(?s)metadata\.json.*format_version 4 is newer than this shardsafe reads \(3\).*upgrade"):
             _OPERATIONS[op](saved)
 
 
@@ -463,6 +541,88 @@ def test_corrupt_safetensors_header_is_reported_by_verify(saved: str, case: str)
     assert not report.ok
     assert report.errors and all(file in e for e in report.errors)
     assert any(re.search(pattern, e) for e in report.errors)
+
+
+# --- format v3: what each data file's header and checksum entry say about its chunks --------
+
+
+def _header_of(raw: bytes) -> tuple[int, dict[str, Any]]:
+    (n,) = struct.unpack("<Q", raw[:8])
+    return 8 + n, json.loads(raw[8 : 8 + n])
+
+
+def test_damaged_checksum_entry_is_reported_by_every_reader(saved: str) -> None:
+    """A flipped byte in a file's ``__shardsafe_checksums__`` entry: its digest in metadata.json
+    no longer matches, so no digest of that file is trusted, and every reader names the file."""
+    file, _ = _chunk(saved, "w")
+    start, header = _header_of(open_storage(saved).read(file))
+    begin, end = header["__shardsafe_checksums__"]["data_offsets"]
+    assert end - begin == 2 * 8  # one digest per chunk (each one block)
+    _flip_byte(saved, file, start + begin + 11)
+
+    pattern = rf"(?s)(?=.*{re.escape(file)}).*checksum mismatch in '__shardsafe_checksums__': metadata\.json says [0-9a-f]{{16}}, its bytes hash to [0-9a-f]{{16}}"
+    report = _assert_every_reader_refuses(saved, pattern)
+    assert len(report.errors) == 1 and file in report.errors[0]
+
+
+def _rewrite_header(location: str, file: str, old: bytes, new: bytes, *, redigest: bool) -> None:
+    """Replace ``old`` by ``new`` (as long) in the file's header; ``redigest``: record the new
+    header's digest in metadata.json too (a crafted file), so the digest check passes."""
+    assert len(old) == len(new)
+    raw = open_storage(location).read(file)
+    start, _ = _header_of(raw)
+    assert raw[:start].count(old) == 1
+    damaged = raw[:start].replace(old, new) + raw[start:]
+    _rewrite(location, file, damaged)
+    if redigest:
+        m = _meta(location)
+        (entry,) = m["file_table"]
+        entry["header"] = f"{xxhash.xxh3_64_intdigest(damaged[:start]):016x}"
+        _put_meta(location, m)
+
+
+def test_damaged_byte_range_in_header_is_a_digest_mismatch_for_every_reader(saved: str) -> None:
+    """v3 takes each chunk's byte range from its file's header: a changed range there is caught by
+    the header's digest in metadata.json, by every reader, naming the file."""
+    file, spec = _chunk(saved, "w")
+    assert spec.byte_range[1] - spec.byte_range[0] == 160
+    _rewrite_header(saved, file, b'"data_offsets":[0,160]', b'"data_offsets":[8,168]', redigest=False)
+
+    pattern = rf"(?s)(?=.*{re.escape(file)}).*checksum mismatch.*metadata(\.json)? says [0-9a-f]{{16}}, the header hashes to [0-9a-f]{{16}}"
+    report = _assert_every_reader_refuses(saved, pattern)
+    assert len(report.errors) == 1 and file in report.errors[0]
+
+
+def test_header_without_the_entry_of_a_chunk_is_reported_by_every_reader(saved: str) -> None:
+    """A (crafted, digest-matching) header that lacks the entry metadata.json places a chunk in:
+    the readers of that chunk name the file, the key and the entry; the other key loads."""
+    file, _ = _chunk(saved, "w")
+    _rewrite_header(saved, file, b'"w":{', b'"v":{', redigest=True)
+
+    pattern = rf"(?s)(?=.*{re.escape(file)})(?=.*'w').*it has no entry 'w'"
+    report = _assert_every_reader_refuses(saved, pattern)
+    assert len(report.errors) == 1 and file in report.errors[0] and "no entry 'w'" in report.errors[0]
+    b = torch.zeros(7, dtype=torch.int64)
+    Checkpointer().load(saved, {"b": b})
+    assert_bitexact(b, _source()["b"])
+
+
+def test_entry_size_that_disagrees_with_the_metadata_is_reported(saved: str) -> None:
+    """metadata.json says ``w`` is float64 (so 320 bytes), its file's entry holds 160: v2 caught
+    this in the byte range; v3 when the entry is located."""
+    file, _ = _chunk(saved, "w")
+    m = _meta(saved)
+    m["tensors"]["w"]["dtype"] = "float64"
+    _put_meta(saved, m)
+    pattern = rf"(?s){re.escape(file)}.*tensor 'w': entry 'w' holds 160 bytes, the chunk needs 320"
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().load(saved, {"w": torch.zeros(8, 5, dtype=torch.float64)})
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        Checkpointer().unshard(saved, no_dist=True)
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        shardsafe.verify(saved)
+    report = shardsafe.verify(saved, collect_all=True)
+    assert len(report.errors) == 1 and re.search(pattern, report.errors[0])
 
 
 # --- every byte a load returns is verified, whatever the layout ---------------------------

@@ -433,7 +433,7 @@ def test_coordinator_that_dies_after_committing_leaves_the_outcome_unknown_not_f
     results = run_ranks_where_some_die(3, _save_where_one_dies, path, 0, "commit")
     assert results[0] == "died"
     with open(os.path.join(path, "metadata.json")) as f:
-        names = {n for t in json.load(f)["tensors"].values() for n in t["shard_spec_per_file"]}
+        names = {f["name"] for f in json.load(f)["file_table"]}
     save_id = next(iter(names)).rsplit("-", 1)[1].split(".")[0]
     for r in (1, 2):
         kind, name, msg = _outcome(results[r])

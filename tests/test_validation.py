@@ -10,8 +10,8 @@ data files must hold the bytes the metadata claims before ``unshard`` allocates,
 
 from __future__ import annotations
 
-import base64
 import json
+import re
 import struct
 import weakref
 from pathlib import Path
@@ -47,9 +47,9 @@ def _put(d: str, raw: str | bytes) -> None:
     open_storage(d).put_atomic(META, reseal(raw.encode()) if isinstance(raw, str) else raw, overwrite=True)
 
 
-def _spec(m: dict[str, Any]) -> dict[str, Any]:
-    (specs,) = m["tensors"]["w"]["shard_spec_per_file"].values()
-    return specs[0]
+def _table(m: dict[str, Any]) -> dict[str, Any]:
+    """The chunk table of tensor ``w`` (format v3)."""
+    return m["tensors"]["w"]["table"]
 
 
 def _edit(fn):
@@ -73,40 +73,43 @@ def _text(old: str, new: str):
     return damage
 
 
-def _shape(shape: list[int], local: list[int] | None = None, nbytes: int | None = None):
+def _shape(shape: list[int]):
+    """``w`` of ``shape``, stored as one chunk of that shape (its table says so too)."""
+
     def fn(m: dict[str, Any]) -> None:
         m["tensors"]["w"]["shape"] = shape
-        spec = _spec(m)
-        spec["local_shape"] = local if local is not None else shape
-        spec["global_offset"] = [0] * len(shape)
-        if nbytes is not None:
-            spec["byte_range"] = [spec["byte_range"][0], spec["byte_range"][0] + nbytes]
+        _table(m).update(offset=[[[0, 0, 1]] for _ in shape], length=[[[n, 0, 1]] for n in shape])
 
     return _edit(fn)
 
 
-def _second_chunk_on_the_same_bytes(m: dict[str, Any]) -> None:
-    """``w`` as two row chunks whose byte ranges overlap (each of the right length)."""
-    spec = _spec(m)
-    begin = spec["byte_range"][0]
-    first = {**spec, "name": "w@0,0", "local_shape": [1, 4], "byte_range": [begin, begin + 16]}
-    second = {**spec, "name": "w@1,0", "global_offset": [1, 0], "local_shape": [1, 4], "byte_range": [begin + 8, begin + 24]}
-    (file,) = m["tensors"]["w"]["shard_spec_per_file"]
-    m["tensors"]["w"]["shard_spec_per_file"][file] = [first, second]
+def _set_run(column: str, run: list[Any]):
+    """Column ``column`` of ``w``'s table (``offset`` and ``length``: its dimension 0) as the single run ``run``."""
+
+    def fn(m: dict[str, Any]) -> None:
+        if column == "file":
+            _table(m)["file"] = [run]
+        else:
+            _table(m)[column][0] = [run]
+
+    return _edit(fn)
 
 
 _DAMAGE = {
     # name: (damage to the metadata text, pattern of the message)
     "deeply-nested-value": (_text('"step":3', '"step":' + "[" * 100_000 + "]" * 100_000), r"nest too deep"),
     "value-nested-65-deep": (_text('"step":3', '"step":' + "[" * 65 + "]" * 65), r"value 'step' nests .* deeper than 64"),
-    "byte-range-past-2**63": (_edit(lambda m: _spec(m).update(byte_range=[2**63, 2**63 + 32])), r"'w'.*ends past the largest offset"),
-    "byte-range-strings": (_edit(lambda m: _spec(m).update(byte_range=[str(x) for x in _spec(m)["byte_range"]])), r"(?s)byte_range.*must hold integers, found '\d+'"),
-    "offset-bools": (_edit(lambda m: _spec(m).update(global_offset=[False, False])), r"(?s)global_offset.*must hold integers, found False"),
+    "table-value-past-2**63": (_set_run("offset", [2**63, 0, 1]), r"'w': offset\[0\]: run \[9223372036854775808, 0, 1\] has values outside \[0, 2\*\*62\)"),
+    "table-step-past-2**62": (_set_run("offset", [0, 2**62, 1]), r"'w': offset\[0\]: run \[0, 4611686018427387904, 1\] has values outside \[0, 2\*\*62\)"),
+    "table-run-strings": (_set_run("length", ["2", "0", "1"]), r"'w': length\[0\]: each run must be \[first, step, count\] \(integers\), found \['2', '0', '1'\]"),
+    "offset-bools": (_set_run("offset", [False, 0, 1]), r"'w': offset\[0\]: each run must be \[first, step, count\] \(integers\), found \[False, 0, 1\]"),
+    "file-index-float": (_set_run("file", [0.0, 0, 1]), r"'w': file: each run must be \[first, step, count\] \(integers\), found \[0\.0, 0, 1\]"),
+    "count-true": (_edit(lambda m: _table(m).update(count=True)), r"'w': count must be an integer >= 0, found True"),
     "shape-floats": (_edit(lambda m: m["tensors"]["w"].update(shape=[2.0, 4.0])), r"(?s)shape.*must hold integers, found 2\.0"),
     "is-sharded-int": (_edit(lambda m: m["tensors"]["w"].update(is_sharded=1)), r"(?s)is_sharded.*must be true or false, found 1"),
     "negative-shape": (_shape([-2, -4]), r"tensor 'w' has shape \[-2, -4\]: a negative dimension"),
-    "shape-of-2**62-bytes": (_shape([2**60, 4], nbytes=2**64), r"tensor 'w' of shape \[1152921504606846976, 4\] would hold 2\*\*62 bytes"),
-    "65-dims": (_shape([1] * 65, nbytes=4), r"tensor 'w' has 65 dimensions; at most 64"),
+    "shape-of-2**62-bytes": (_shape([2**60, 4]), r"tensor 'w' of shape \[1152921504606846976, 4\] would hold 2\*\*62 bytes"),
+    "65-dims": (_shape([1] * 65), r"tensor 'w' has 65 dimensions; at most 64"),
     "nan": (_text('"step":3', '"step":NaN'), r"NaN is not a JSON number"),
     "infinity": (_text('"step":3', '"step":-Infinity'), r"-Infinity is not a JSON number"),
     "float-overflow": (_text('"step":3', '"step":1e999'), r"1e999 does not fit a finite float"),
@@ -116,7 +119,6 @@ _DAMAGE = {
     "empty-tensor-key": (_edit(lambda m: m["tensors"].update({"": m["tensors"].pop("w")})), r"an empty key in 'tensors'"),
     "empty-value-key": (_text('"step":3', '"":3'), r"an empty key in 'objects'"),
     "file-name-with-newline": (lambda raw: raw.replace('.safetensors"', '.safetensors\\n"'), r"names data file '.*\.safetensors\\n', which is not a plain file name"),
-    "chunks-share-bytes": (_edit(_second_chunk_on_the_same_bytes), r"chunks 'w@0,0' \(tensor 'w'\) and 'w@1,0' \(tensor 'w'\) in '.*' share bytes"),
 }
 
 
@@ -138,45 +140,141 @@ def test_damaged_metadata_is_corrupt_everywhere(tmp_path: Path, case: str) -> No
         assert f"{d}/{META}" in str(info.value), op
 
 
-@pytest.mark.parametrize("op", ["unshard", "unshard_to_safetensors"])
-def test_sizes_beyond_the_stored_bytes_are_refused_before_allocating(tmp_path: Path, op: str) -> None:
-    """Valid-looking metadata for a 16 TiB tensor: the data file is 160 bytes long, so nothing of
-    that size is allocated; the error names the key, the file and what it lacks."""
-    d = _save(tmp_path)
-
-    def big_blocks(m: dict[str, Any]) -> None:  # 16 blocks of 1 TiB: digests of the right count
-        m["checksum"]["block_bytes"] = 2**40
-        _spec(m)["checksums"] = base64.b64encode(bytes(8 * 16)).decode()
-
-    _put(d, _edit(big_blocks)(_shape([2**40, 4], nbytes=2**44)(_raw(d))))
-    (file,) = Checkpointer().get_metadata(d, no_dist=True).data_files()
-    call = {
-        "unshard": lambda: Checkpointer().unshard(d, no_dist=True),
-        "unshard_to_safetensors": lambda: shardsafe.unshard_to_safetensors(d, tmp_path / "out.safetensors"),
-    }[op]
-    with pytest.raises(CorruptCheckpointError, match=rf"key 'w': .*{file}: truncated: .*the file has 160 bytes \(its chunks in that file end at byte {2**44 + 128}\)"):
-        call()
-    assert not (tmp_path / "out.safetensors").exists()
-
-
-def _replace_in_header(d: str, old: bytes, new: bytes) -> str:
-    """Rewrite the data file with ``old`` replaced by ``new`` in its JSON header (the header
-    length changes; the header is what is under test, so the byte ranges are left as they were).
-    The metadata's size and header digest of the file are updated to match, as a crafted
-    checkpoint would have them, so that the header parser is what refuses it."""
+def _rewrite_data_file(d: str, header: bytes, data: bytes | None = None, *, size: int | None = None) -> str:
+    """Replace the data file's JSON header by ``header`` (its data section kept, or ``data``),
+    and make ``metadata.json``'s file table agree with the new file (size, or ``size``; header
+    length and digest), as a crafted checkpoint would: what is under test is then what the
+    header says, not its digest."""
     (file,) = Checkpointer().get_metadata(d, no_dist=True).data_files()
     store = open_storage(d)
     raw = store.read(file)
     (n,) = struct.unpack("<Q", raw[:8])
-    header = raw[8 : 8 + n]
-    assert header.count(old) == 1
-    header = header.replace(old, new)
-    damaged = struct.pack("<Q", len(header)) + header + raw[8 + n :]
+    damaged = struct.pack("<Q", len(header)) + header + (raw[8 + n :] if data is None else data)
     store.put_atomic(file, damaged, overwrite=True)
     m = json.loads(_raw(d))
-    m["files"][file] = {"size": len(damaged), "header": f"{xxhash.xxh3_64_intdigest(damaged[: 8 + len(header)]):016x}"}
+    (entry,) = m["file_table"]
+    assert entry["name"] == file
+    entry.update(
+        size=len(damaged) if size is None else size,
+        header_bytes=8 + len(header),
+        header=f"{xxhash.xxh3_64_intdigest(damaged[: 8 + len(header)]):016x}",
+    )
     _put(d, seal(m))
     return file
+
+
+def _header(d: str) -> dict[str, Any]:
+    (file,) = Checkpointer().get_metadata(d, no_dist=True).data_files()
+    raw = open_storage(d).read(file)
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n])
+
+
+@pytest.mark.parametrize("op", ["unshard", "unshard_to_safetensors"])
+def test_sizes_beyond_the_stored_bytes_are_refused_before_allocating(tmp_path: Path, op: str) -> None:
+    """Valid-looking metadata and data-file header for a 16 TiB tensor (digests recomputed to
+    match): the data file is 200 bytes long, so nothing of that size is allocated; the error
+    names the key, the file and what it lacks."""
+    d = _save(tmp_path)
+
+    def big_blocks(m: dict[str, Any]) -> None:  # 16 blocks of 1 TiB
+        m["checksum"]["block_bytes"] = 2**40
+
+    _put(d, _edit(big_blocks)(_shape([2**40, 4])(_raw(d))))
+    h = _header(d)
+    h["w"].update(shape=[2**40, 4], data_offsets=[0, 2**44])
+    h["__shardsafe_checksums__"].update(shape=[16], data_offsets=[2**44, 2**44 + 16 * 8])
+    text = json.dumps(h, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    file = _rewrite_data_file(d, text, size=8 + len(text) + 2**44 + 128)
+    start, length = 8 + len(text) + 2**44, (tmp_path / "ckpt" / file).stat().st_size
+    call = {
+        "unshard": lambda: Checkpointer().unshard(d, no_dist=True),
+        "unshard_to_safetensors": lambda: shardsafe.unshard_to_safetensors(d, tmp_path / "out.safetensors"),
+    }[op]
+    with pytest.raises(
+        CorruptCheckpointError, match=rf"key 'w': .*{file}: truncated: needed bytes \[{start}, {start + 128}\) but the file has {length} bytes"
+    ):
+        call()
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def _two_rows(m: dict[str, Any]) -> None:
+    """``w`` (2 x 4) as two chunks of one row each."""
+    m["tensors"]["w"]["table"] = {"count": 2, "file": [[0, 0, 2]], "offset": [[[0, 1, 2]], [[0, 0, 2]]], "length": [[[1, 0, 2]], [[4, 0, 2]]]}
+
+
+def _rows_header(first: list[int], second: list[int], sums: list[int]):
+    def fn(h: dict[str, Any]) -> None:
+        del h["w"]
+        h["w@0,0"] = {"dtype": "F32", "shape": [1, 4], "data_offsets": first}
+        h["w@1,0"] = {"dtype": "F32", "shape": [1, 4], "data_offsets": second}
+        h["__shardsafe_checksums__"] = {"dtype": "U8", "shape": [sums[1] - sums[0]], "data_offsets": sums}
+
+    return fn
+
+
+_CRAFTED = {
+    # name: (change to the metadata, change to the data file's header; pattern of the message)
+    "chunks-share-bytes": (_two_rows, _rows_header([0, 16], [8, 24], [24, 40]), r"entry 'w@1,0' starts at byte \d+, expected \d+: entries must be back to back"),
+    "gap-between-chunks": (_two_rows, _rows_header([0, 16], [24, 40], [40, 56]), r"entry 'w@1,0' starts at byte \d+, expected \d+: entries must be back to back"),
+    "entries-end-before-the-file": (None, lambda h: h["__shardsafe_checksums__"].update(data_offsets=[32, 39], shape=[7]), r"the entries end at byte \d+, the file is \d+ bytes"),
+    "no-checksum-entry": (None, lambda h: h.update(v=h.pop("__shardsafe_checksums__")), r"the last entry must be '__shardsafe_checksums__'"),
+    "checksum-entry-too-short": (
+        lambda m: m["checksum"].update(block_bytes=16),
+        lambda h: None,
+        r"'__shardsafe_checksums__' holds 8 bytes, expected 16 for 2 block\(s\)",
+    ),
+    "entry-without-offsets": (None, lambda h: h["w"].pop("data_offsets"), r"entry 'w' has no valid data_offsets"),
+    "offsets-past-2**63": (None, lambda h: h["w"].update(data_offsets=[2**63, 2**63 + 32]), r"starts at byte \d+, expected \d+: entries must be back to back"),
+    "entry-size-differs": (None, lambda h: h["w"].update(shape=[2, 2], data_offsets=[0, 16]) or h["__shardsafe_checksums__"].update(data_offsets=[16, 24]), r"tensor 'w': entry 'w' holds 16 bytes, the chunk needs 32"),
+}
+
+
+@pytest.mark.parametrize("case", list(_CRAFTED))
+def test_crafted_data_file_header_is_corrupt(tmp_path: Path, case: str) -> None:
+    """Format v3 reads each chunk's place in its file from the file's header: a header with
+    matching digests (as a crafted checkpoint has) that places chunks on shared bytes, leaves
+    gaps, or disagrees with the metadata is refused by every reader, naming the file."""
+    d = _save(tmp_path)
+    meta_change, header_change, pattern = _CRAFTED[case]
+    if meta_change is not None:
+        _put(d, _edit(meta_change)(_raw(d)))
+    h = _header(d)
+    header_change(h)
+    text = json.dumps(h, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    data = None
+    if case == "entry-size-differs":  # 16 bytes of w, then its (one) digest
+        raw = open_storage(d).read(Checkpointer().get_metadata(d, no_dist=True).data_files().pop())
+        body = raw[8 + struct.unpack("<Q", raw[:8])[0] :]
+        data = body[:16] + body[32:]
+    file = _rewrite_data_file(d, text, data)
+    operations = {
+        "load": lambda: Checkpointer().load(d, {"w": torch.zeros(2, 4)}, no_dist=True),
+        "unshard": lambda: Checkpointer().unshard(d, no_dist=True),
+        "unshard_to_safetensors": lambda: shardsafe.unshard_to_safetensors(d, tmp_path / "out.safetensors"),
+        "verify": lambda: shardsafe.verify(d),
+    }
+    for op, call in operations.items():
+        with pytest.raises(CorruptCheckpointError, match=rf"{file}.*{pattern}") as info:
+            call()
+        assert file in str(info.value), op
+    report = shardsafe.verify(d, collect_all=True)
+    assert len(report.errors) == 1 and file in report.errors[0] and re.search(pattern, report.errors[0])
+
+
+def _replace_in_header(d: str, old: bytes, new: bytes) -> str:
+    """Rewrite the data file with ``old`` replaced by ``new`` in its JSON header (the header
+    length changes; the header is what is under test, so the data offsets are left as they were).
+    The metadata's size, header length and header digest of the file are updated to match, as a
+    crafted checkpoint would have them, so that the header parser is what refuses it."""
+    (file,) = Checkpointer().get_metadata(d, no_dist=True).data_files()
+    raw = open_storage(d).read(file)
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + n]
+    assert header.count(old) == 1
+    return _rewrite_data_file(d, header.replace(old, new))
 
 
 @pytest.mark.parametrize(

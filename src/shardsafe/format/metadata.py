@@ -263,7 +263,10 @@ class TensorStorageMetadata(BaseModel):
         itemsize = self.torch_dtype.itemsize
         for i in indices:
             f, off, lens, flat = table.chunk(i)
-            index = resolver.file(f)
+            try:
+                index = resolver.file(f)
+            except CorruptCheckpointError as e:  # the file's own damage, named with the key that needed it
+                raise type(e)(f"key {self._key!r}: {e}") from None
             name = entry_name(self._key, self.shape, off, lens, flat)
             numel = flat[1] - flat[0] if flat is not None else prod(lens)
             begin, end, _ = index.locate(name, numel * itemsize, key=self._key)
@@ -491,11 +494,15 @@ class StorageMetadata(BaseModel):
         (decoded here) whose chunks tile it; file names valid and distinct."""
         from ..planning.geometry import check_tiling
 
-        if self.checksum is None or self.file_table is None or self.files is not None:
+        for name in ("checksum", "file_table"):
+            if getattr(self, name) is None:
+                raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: format_version 3 metadata lacks the {name!r} field")
+        if self.files is not None:
             raise CorruptCheckpointError(
-                f"{where}: invalid checkpoint metadata: format_version 3 metadata has the 'checksum' and 'file_table' fields "
-                "and no 'files' field"
+                f"{where}: invalid checkpoint metadata: format_version 3 metadata has the 'files' field (format v2's); "
+                "its data files are in 'file_table'"
             )
+        assert self.file_table is not None
         names = [f.name for f in self.file_table]
         for name in names:
             if not is_data_file_name(name):
@@ -504,7 +511,9 @@ class StorageMetadata(BaseModel):
                     "directory; refusing to read it"
                 )
         if len(set(names)) != len(names):
-            raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: the file table names a file twice")
+            seen: set[str] = set()
+            twice = sorted({n for n in names if n in seen or seen.add(n)})[:5]
+            raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: the file table names {', '.join(map(repr, twice))} twice")
         for key, t in self.tensors.items():
             if t.table is None or t.shard_spec_per_file is not None:
                 raise CorruptCheckpointError(
