@@ -36,7 +36,7 @@ from ..core import CheckpointingException
 from ..mapping import ShardedObject, ShardedStateDict, StateDict
 from .shardsafe import ShardsafeLoadShardedStrategy, location, sharded_metadata, tensors_metadata
 
-__all__ = ["COMMON_ALLOWLIST", "TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint"]
+__all__ = ["COMMON_ALLOWLIST", "TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint", "read_common_pt", "read_sharded_object", "stored_pieces"]
 
 COMMON_FNAME = "common.pt"
 COMMON_ALLOWLIST: list[Any] = [argparse.Namespace, types.SimpleNamespace]
@@ -44,9 +44,12 @@ COMMON_ALLOWLIST: list[Any] = [argparse.Namespace, types.SimpleNamespace]
 (tensors, dtypes, containers, numbers, strings): what Megatron stores there."""
 
 
-def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str) -> Any:
+def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
     """What ``torch.save`` wrote in ``raw``, read by torch's safe loader with :data:`COMMON_ALLOWLIST`
-    added; a pickle it refuses raises ``CheckpointingException`` unless ``allow_pickle``."""
+    added; a pickle it refuses raises ``CheckpointingException`` unless ``allow_pickle``, ending
+    with ``opt_in`` (by default: pass ``sharded_strategy=<strategy>(allow_pickle=True)``)."""
+    if opt_in is None:
+        opt_in = f"Pass sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
     try:
         with torch.serialization.safe_globals(COMMON_ALLOWLIST):
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
@@ -54,16 +57,15 @@ def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str
         if not allow_pickle:
             raise CheckpointingException(
                 f"{where} holds a pickle that torch's safe loader refuses, even with {[c.__qualname__ for c in COMMON_ALLOWLIST]} "
-                f"allowed ({str(e).splitlines()[0][:200]}); loading it can run arbitrary code. Pass "
-                f"sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
+                f"allowed ({str(e).splitlines()[0][:200]}); loading it can run arbitrary code. {opt_in}"
             ) from None
     except Exception as e:  # noqa: BLE001 - a damaged file
         raise CheckpointingException(f"{where}: cannot read it: {type(e).__name__}: {str(e)[:300]}") from None
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
 
 
-def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str) -> StateDict:
-    """Megatron's ``common.pt`` in ``checkpoint_dir`` (``{}`` if there is none)."""
+def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> StateDict:
+    """Megatron's ``common.pt`` in ``checkpoint_dir`` (``{}`` if there is none); see :func:`safe_torch_load`."""
     storage = open_storage(location(checkpoint_dir))
     try:
         raw = storage.read(COMMON_FNAME)
@@ -73,10 +75,18 @@ def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, 
         if storage is not checkpoint_dir:
             storage.close()
     where = f"{checkpoint_dir}/{COMMON_FNAME}"
-    common = safe_torch_load(bytes(raw), where, allow_pickle=allow_pickle, strategy=strategy)
+    common = safe_torch_load(bytes(raw), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
     if not isinstance(common, dict):
         raise CheckpointingException(f"{where} holds a {type(common).__name__}, not a dict")
     return common
+
+
+def read_sharded_object(storage: Storage, item: dcp_format.DcpItem, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
+    """The value of the ShardedObject stored as ``item`` (see :func:`safe_torch_load`)."""
+    stored = safe_torch_load(bytes(dcp_format.read_item(storage, item)), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
+    if not isinstance(stored, list) or not stored:  # Megatron saves [value] (the values of the cell's holders on one rank)
+        raise CheckpointingException(f"{where}: holds a {type(stored).__name__}, not the one-item list megatron-core stores")
+    return stored[0]
 
 
 def is_torch_dist_checkpoint(checkpoint_dir: str | Path | Storage) -> bool:
@@ -179,18 +189,10 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
             raise CheckpointingException(f"{checkpoint_dir}: ShardedObject {v.unique_key!r} is not in the checkpoint")
         storage = open_storage(location(checkpoint_dir))
         try:
-            raw = dcp_format.read_item(storage, item)
+            return read_sharded_object(storage, item, f"{checkpoint_dir}: ShardedObject {v.unique_key!r}", allow_pickle=self.allow_pickle, strategy=type(self).__name__)
         finally:
             if storage is not checkpoint_dir:
                 storage.close()
-        where = f"{checkpoint_dir}: ShardedObject {v.unique_key!r}"
-        stored = self._unpickle(bytes(raw), where)
-        if not isinstance(stored, list) or not stored:  # Megatron saves [value] (the values of the cell's holders on one rank)
-            raise CheckpointingException(f"{where}: holds a {type(stored).__name__}, not the one-item list megatron-core stores")
-        return stored[0]
-
-    def _unpickle(self, raw: bytes, where: str) -> Any:
-        return safe_torch_load(raw, where, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
 
     def read_targets(self, checkpoint_dir: str | Path | Storage, targets: dict[str, adapters.ShardedTensor], meta: Any) -> None:
         storage = open_storage(location(checkpoint_dir))
@@ -221,7 +223,7 @@ def _fill(t: adapters.ShardedTensor, meta: _View, storage: Storage, chunks: dict
     else:
         box = t.data if tuple(t.data.shape) == lens else t.data.view(lens)
     covered = 0
-    for b_off, b_lens, flat, item in _stored_pieces(t.key, stored, meta.ckpt):
+    for b_off, b_lens, flat, item in stored_pieces(t.key, stored, meta.ckpt):
         inter = [(max(o, bo), min(o + n, bo + bn)) for o, n, bo, bn in zip(off, lens, b_off, b_lens)]
         if any(lo >= hi for lo, hi in inter):
             continue
@@ -256,7 +258,7 @@ def _fill(t: adapters.ShardedTensor, meta: _View, storage: Storage, chunks: dict
         t.data.copy_(box.view(-1)[t.flattened_range])
 
 
-def _stored_pieces(key: str, stored: _Stored, ckpt: dcp_format.DcpCheckpoint) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]:
+def stored_pieces(key: str, stored: _Stored, ckpt: dcp_format.DcpCheckpoint) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]:
     """Each stored chunk of ``key`` as (box offset, box shape, flat range of the box or None, item)."""
     _, _, entries = ckpt.tensors[key]
     if stored.grid is None:
