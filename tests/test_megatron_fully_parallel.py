@@ -9,6 +9,7 @@ against plain-torch ground truth, with both exchange algorithms, at the saved la
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from typing import Any
 
@@ -143,3 +144,34 @@ def test_fully_parallel_load_exchanges_large_pieces_into_any_tensor(tmp_path):
     assert [r["keys"] for r in results] == [["big", "big2", "small"], ["big", "small"], ["big2", "small"]]
     assert all(r["exact"] for r in results)
     assert sum(r["read"] for r in results) == 512 * 1024 * 4 + 1024 * 1024 * 2 + 6 * 4  # each stored byte once
+
+
+def _save_rows(rank: int, world: int, path: str) -> None:
+    save({"a": ShardedTensor.from_rank_offsets("a", torch.full((1, 8), float(rank)), (0, rank, world))}, path)
+
+
+def _load_rows(rank: int, world: int, path: str) -> tuple[str, str]:
+    from shardsafe.errors import CorruptCheckpointError
+
+    try:
+        load({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(1, 8), (0, rank, world))}, path)
+    except CorruptCheckpointError as e:
+        return type(e).__name__, str(e)
+    return "loaded", ""
+
+
+def test_a_damaged_chunk_one_rank_reads_raises_on_every_rank(tmp_path):
+    from shardsafe import Checkpointer
+
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_rows, path)
+    meta = Checkpointer().get_metadata(path, no_dist=True)
+    ((file, spec),) = [(f, s) for f, specs in meta.tensors["a"].shard_spec_per_file.items() for s in specs if s.global_offset == (1, 0)]
+    with open(os.path.join(path, file), "r+b") as f:  # one byte of rank 1's row
+        f.seek(spec.byte_range[0])
+        byte = f.read(1)
+        f.seek(spec.byte_range[0])
+        f.write(bytes([byte[0] ^ 0xFF]))
+    results = run_ranks(2, _load_rows, path)
+    assert [r[0] for r in results] == ["CorruptCheckpointError", "CorruptCheckpointError"]
+    assert all("key 'a'" in r[1] and file in r[1] for r in results), results
