@@ -1,4 +1,4 @@
-"""``shardsafe.megatron.convert_torch_dist``: a checkpoint real megatron-core 0.15 wrote with its
+"""``shardsafe.megatron.convert_megatron``: a checkpoint real megatron-core 0.15 wrote with its
 ``torch_dist`` backend (2 gloo ranks, TP2 x PP2 with a distributed optimizer's flattened state,
 ShardedObjects, a common state with an ``argparse.Namespace``) converts into a shardsafe checkpoint
 that ``verify`` passes, that stores what ``shardsafe.megatron.save`` stores for the same state,
@@ -17,7 +17,7 @@ import torch
 
 from shardsafe import Checkpointer, verify
 from shardsafe.errors import CheckpointError, CheckpointExistsError
-from shardsafe.megatron import CheckpointingException, ShardedObject, ShardedTensor, convert_torch_dist, load
+from shardsafe.megatron import CheckpointingException, ShardedObject, ShardedTensor, convert_megatron, load
 from tests.distributed import run_ranks
 
 pytest.importorskip("megatron.core.dist_checkpointing")
@@ -35,7 +35,7 @@ def torch_dist_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def converted(torch_dist_dir, tmp_path_factory) -> str:
     dst = str(tmp_path_factory.mktemp("converted") / "ckpt")
-    convert_torch_dist(torch_dist_dir, dst, progress=False)
+    convert_megatron(torch_dist_dir, dst, progress=False)
     return dst
 
 
@@ -120,7 +120,7 @@ def test_convert_streams_chunk_by_chunk_and_reports_progress(torch_dist_dir, tmp
     ckpt = dcp_format.read_dcp_checkpoint(open_storage(torch_dist_dir))
     chunks = [le for _, _, entries in ckpt.tensors.values() for _, le, _ in entries]
     seen: list[tuple[int, int]] = []
-    meta = convert_torch_dist(torch_dist_dir, str(tmp_path / "p"), progress=lambda done, total: seen.append((done, total)))
+    meta = convert_megatron(torch_dist_dir, str(tmp_path / "p"), progress=lambda done, total: seen.append((done, total)))
     total = sum(t.numel() * t.element_size() for t in _truth().values())
     assert len(seen) == len(chunks) and seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
@@ -128,28 +128,28 @@ def test_convert_streams_chunk_by_chunk_and_reports_progress(torch_dist_dir, tmp
 
 
 def test_convert_refusals(torch_dist_dir, converted, tmp_path):
-    with pytest.raises(CheckpointingException, match=r"not a megatron-core torch_dist checkpoint: it holds \d+ file\(s\) but no \.metadata; it is a shardsafe checkpoint already"):
-        convert_torch_dist(converted, str(tmp_path / "x"))
+    with pytest.raises(CheckpointingException, match=r"not a megatron-core torch_dist or zarr checkpoint: it holds \d+ file\(s\) but no \.metadata; it is a shardsafe checkpoint already"):
+        convert_megatron(converted, str(tmp_path / "x"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(CheckpointingException, match=r"empty: not a megatron-core torch_dist checkpoint: it holds 0 file\(s\) but no \.metadata$"):
-        convert_torch_dist(str(empty), str(tmp_path / "x"))
+    with pytest.raises(CheckpointingException, match=r"empty: not a megatron-core torch_dist or zarr checkpoint: it holds 0 file\(s\) but no \.metadata$"):
+        convert_megatron(str(empty), str(tmp_path / "x"))
     plain_dcp = tmp_path / "plain_dcp"
     shutil.copytree(torch_dist_dir, plain_dcp)
     os.remove(plain_dcp / "metadata.json")
     with pytest.raises(CheckpointingException, match=r"has DCP's \.metadata but no Megatron metadata\.json \(a plain torch\.distributed\.checkpoint folder converts with shardsafe\.dcp\.convert\)"):
-        convert_torch_dist(str(plain_dcp), str(tmp_path / "x"))
+        convert_megatron(str(plain_dcp), str(tmp_path / "x"))
     assert not os.path.exists(tmp_path / "x")
     with pytest.raises(CheckpointExistsError, match=r"a checkpoint is already committed there; pass overwrite=True to replace it"):
-        convert_torch_dist(torch_dist_dir, converted)
+        convert_megatron(torch_dist_dir, converted)
     with pytest.raises(CheckpointError, match=r"src and dst are both .*iter_0000007; convert into another directory"):
-        convert_torch_dist(torch_dist_dir, torch_dist_dir, overwrite=True)
+        convert_megatron(torch_dist_dir, torch_dist_dir, overwrite=True)
     with pytest.raises(TypeError, match=r"overwrite"):
-        convert_torch_dist(torch_dist_dir, str(tmp_path / "x"), overwrite="yes")  # type: ignore[arg-type]
+        convert_megatron(torch_dist_dir, str(tmp_path / "x"), overwrite="yes")  # type: ignore[arg-type]
     again = str(tmp_path / "again")
     shutil.copytree(converted, again)
     before = sorted(os.listdir(again))
-    convert_torch_dist(torch_dist_dir, again, overwrite=True)  # replaces it, and sweeps the old data files
+    convert_megatron(torch_dist_dir, again, overwrite=True)  # replaces it, and sweeps the old data files
     after = sorted(os.listdir(again))
     assert len(after) == len(before) and after != before
     assert verify(again).ok
@@ -161,11 +161,11 @@ def test_convert_reads_and_stores_pickles_only_when_allowed(torch_dist_dir, tmp_
     torch.save({"ratio": fractions.Fraction(1, 3)}, src / "common.pt")
     with pytest.raises(
         CheckpointingException,
-        match=r"common\.pt holds a pickle that torch's safe loader refuses.*Pass allow_pickle=True to shardsafe\.megatron\.convert_torch_dist only if you trust",
+        match=r"common\.pt holds a pickle that torch's safe loader refuses.*Pass allow_pickle=True to shardsafe\.megatron\.convert_megatron only if you trust",
     ):
-        convert_torch_dist(str(src), str(tmp_path / "out"))
+        convert_megatron(str(src), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out" / "metadata.json")
-    convert_torch_dist(str(src), str(tmp_path / "out"), allow_pickle=True)
+    convert_megatron(str(src), str(tmp_path / "out"), allow_pickle=True)
     from shardsafe.megatron.strategies import ShardsafeLoadShardedStrategy
 
     with pytest.raises(CheckpointError, match=r"pickle"):

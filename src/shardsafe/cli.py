@@ -276,9 +276,9 @@ def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
         meta = convert(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress or False)
         counts = {"tensors": len(meta.tensors), "values": len(meta.objects) + len(meta.pickled_objects)}
     elif args.source == "megatron":
-        from .megatron.convert import convert_torch_dist
+        from .megatron.convert import convert_megatron
 
-        meta = convert_torch_dist(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress or False)
+        meta = convert_megatron(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress or False)
         counts = {"tensors": len(meta.tensors), "values": len(meta.objects) + len(meta.pickled_objects)}
     elif args.source == "torch":
         counts = convert_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle)
@@ -347,7 +347,7 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(run=cmd_export)
 
     s = sub.add_parser("convert", parents=[common], help="into a shardsafe checkpoint",
-                       description="Convert a torch.distributed.checkpoint folder (dcp), a megatron-core torch_dist checkpoint "
+                       description="Convert a torch.distributed.checkpoint folder (dcp), a megatron-core torch_dist or zarr checkpoint "
                        "(megatron), a torch.save file (torch, read with weights_only=True) or a Hugging Face safetensors "
                        "file or folder (hf) into a shardsafe checkpoint.")
     s.add_argument("src", help="what to convert")

@@ -1,4 +1,4 @@
-"""A megatron-core ``torch_dist`` checkpoint on disk into a shardsafe checkpoint, streamed.
+"""A megatron-core ``torch_dist`` or ``zarr`` checkpoint on disk into a shardsafe checkpoint, streamed.
 
 The result is what :func:`shardsafe.megatron.serialization.save` would have written for the same
 state (``docs/format.md`` §13): tensors under their Megatron keys with Megatron's global shapes
@@ -6,10 +6,11 @@ state (``docs/format.md`` §13): tensors under their Megatron keys with Megatron
 its original shape), each ShardedObject one JSON value under its unique key, ``common.pt`` the
 JSON value ``"megatron:common"`` and the config ``"megatron:config"``. So
 :func:`shardsafe.megatron.serialization.load` of the converted checkpoint returns what it returns
-for the torch_dist one, into any layout, and :func:`shardsafe.verify` checks every byte.
+for the original, into any layout, and :func:`shardsafe.verify` checks every byte.
 
-Each stored chunk is read once (exactly its byte range), loaded with
-``torch.load(weights_only=True)``, digested and written while the next one is read: memory is
+Each stored chunk is read once (a torch_dist chunk: exactly its byte range, loaded with
+``torch.load(weights_only=True)``; a Zarr chunk: its file, see
+:mod:`shardsafe.megatron.strategies.zarr`), digested and written while the next one is read: memory is
 bounded by a small multiple of the largest chunk. ``common.pt`` and the ShardedObjects are read by
 torch's safe loader with :data:`~shardsafe.megatron.strategies.torch_dist.COMMON_ALLOWLIST` added
 (``argparse.Namespace``): nothing else is unpickled unless ``allow_pickle``. ``metadata.json`` is
@@ -42,22 +43,17 @@ from ..storage import Location, Storage, open_storage
 from ._values import encode_value
 from .core import CONFIG_KEY, SHARDSAFE_BACKEND, CheckpointingConfig, CheckpointingException, maybe_load_config
 from .strategies.shardsafe import COMMON_KEY, FORMAT_VERSION
-from .strategies.torch_dist import (
-    TorchDistLoadShardedStrategy,
-    is_torch_dist_checkpoint,
-    read_common_pt,
-    read_sharded_object,
-    stored_pieces,
-)
+from .strategies.torch_dist import TorchDistLoadShardedStrategy, is_torch_dist_checkpoint, read_common_pt
+from .strategies.zarr import ZarrLoadShardedStrategy
 
-__all__ = ["convert_torch_dist"]
+__all__ = ["convert_megatron"]
 
 log = logging.getLogger(__name__)
-_CALL = "shardsafe.megatron.convert_torch_dist"
+_CALL = "shardsafe.megatron.convert_megatron"
 _OPT_IN = f"Pass allow_pickle=True to {_CALL} only if you trust this checkpoint"
 
 
-def convert_torch_dist(
+def convert_megatron(
     src: Location,
     dst: Location,
     *,
@@ -66,11 +62,12 @@ def convert_torch_dist(
     knobs: Knobs | None = None,
     progress: bool | Callable[[int, int], None] | None = None,
 ) -> StorageMetadata:
-    """Convert the megatron-core ``torch_dist`` checkpoint at ``src`` (DCP's ``.metadata`` and
-    ``.distcp`` files, ``common.pt`` and Megatron's ``metadata.json``; local or in an object store)
-    into a shardsafe checkpoint at ``dst``; returns its metadata. One process, no process group.
+    """Convert the megatron-core checkpoint at ``src`` into a shardsafe checkpoint at ``dst``;
+    returns its metadata. One process, no process group. ``src`` is a ``torch_dist`` checkpoint
+    (DCP's ``.metadata`` and ``.distcp`` files, ``common.pt`` and Megatron's ``metadata.json``;
+    local or in an object store) or a ``zarr`` one (a local directory).
 
-    ``src`` that is not a torch_dist checkpoint raises ``CheckpointingException``; a checkpoint
+    ``src`` that is neither raises ``CheckpointingException``; a checkpoint
     already committed at ``dst`` raises ``CheckpointExistsError`` unless ``overwrite``, before
     anything is written. Values in ``common.pt`` or ShardedObjects that torch's safe loader
     refuses (beyond ``argparse.Namespace``), or that have no JSON form, are read and stored with
@@ -91,7 +88,7 @@ def convert_torch_dist(
 def _convert(
     source: Storage, dst: Location, *, overwrite: bool, allow_pickle: bool, knobs: Knobs, progress: bool | Callable[[int, int], None] | None
 ) -> StorageMetadata:
-    _check_torch_dist(source)
+    reader = _reader(source)
     out = open_storage(dst)
     if out.url.rstrip("/") == source.url.rstrip("/"):
         raise CheckpointError(f"{_CALL}: src and dst are both {source.url}; convert into another directory")
@@ -99,42 +96,40 @@ def _convert(
     seen = committed_version(out)
     if seen is not None and not overwrite:
         raise CheckpointExistsError(f"{out.url}: a checkpoint is already committed there; pass overwrite=True to replace it")
-    view = TorchDistLoadShardedStrategy().view(source)
-    ckpt = view.ckpt
+    view = reader.view(source)
 
     # the values, as shardsafe.megatron's save stores them
     common = read_common_pt(source, allow_pickle=allow_pickle, strategy="", opt_in=_OPT_IN)
     opt_in = f"or pass allow_pickle=True to {_CALL}"
     objects: dict[str, Any] = {}
-    for key, item in ckpt.values.items():
-        where = f"{ckpt.where}: ShardedObject {key!r}"
-        value = read_sharded_object(source, item, where, allow_pickle=allow_pickle, strategy="", opt_in=_OPT_IN)
-        objects[key] = encode_value(value, where=where, allow_pickle=allow_pickle, opt_in=opt_in)
+    for key in view.objects:
+        value = view.read_object(source, key, allow_pickle=allow_pickle, strategy="", opt_in=_OPT_IN)
+        objects[key] = encode_value(value, where=f"{view.where}: ShardedObject {key!r}", allow_pickle=allow_pickle, opt_in=opt_in)
     for key in (COMMON_KEY, CONFIG_KEY):
         if key in objects:
-            raise CorruptCheckpointError(f"{ckpt.where}: holds a ShardedObject {key!r}, the key shardsafe.megatron keeps its {key.split(':')[1]} under")
+            raise CorruptCheckpointError(f"{view.where}: holds a ShardedObject {key!r}, the key shardsafe.megatron keeps its {key.split(':')[1]} under")
     objects[COMMON_KEY] = encode_value(common, where=f"{source.url.rstrip('/')}/common.pt", allow_pickle=allow_pickle, opt_in=opt_in)
     objects[CONFIG_KEY] = asdict(CheckpointingConfig(SHARDSAFE_BACKEND, FORMAT_VERSION, SHARDSAFE_BACKEND, FORMAT_VERSION))
 
-    # every chunk's place in the new files, before anything is written: (key, offset, box, flat range, item, DCP sizes)
+    # every chunk's place in the new files, before anything is written: (key, offset, box, flat range, item).
+    # A torch_dist chunk goes into the file for its .distcp file, in the order it is stored there; zarr's all go into one.
     save_id = uuid.uuid4().hex[:12]
-    by_file: dict[str, list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, int] | None, dcp_format.DcpItem, tuple[int, ...]]]] = {}
+    by_file: dict[str, list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]] = {}
     for key, stored in view.tensors.items():
         dtype_name(stored.torch_dtype, key=key)
-        sizes = {item: tuple(le) for _, le, item in ckpt.tensors[key][2]}
-        pieces = stored_pieces(key, stored, ckpt)
+        pieces = view.pieces(key)
         try:
             check_tiling(key, stored.shape, [(off, lens, flat) for off, lens, flat, _ in pieces])
         except ShardingError as e:
-            raise CorruptCheckpointError(f"{ckpt.where}: {e}") from None
+            raise CorruptCheckpointError(f"{view.where}: {e}") from None
         for off, lens, flat, item in pieces:
-            by_file.setdefault(item.file, []).append((key, off, lens, flat, item, sizes[item]))
+            by_file.setdefault(getattr(item, "file", ""), []).append((key, off, lens, flat, item))
     plans = []
     for i, source_file in enumerate(sorted(by_file)):
-        chunks = sorted(by_file[source_file], key=lambda c: c[4].offset)  # read each source file front to back
+        chunks = sorted(by_file[source_file], key=lambda c: getattr(c[4], "offset", 0))  # read each source file front to back
         used: set[str] = set()
         entries = []
-        for key, off, lens, flat, _, _ in chunks:
+        for key, off, lens, flat, _ in chunks:
             stored = view.tensors[key]
             in_file = lens if flat is None else (flat[1] - flat[0],)
             name = _entry_name(key, stored.shape, off, lens, flat, used)
@@ -154,8 +149,8 @@ def _convert(
             written.append(name)
             with out.write_file(name) as raw_out, WriteBehind(raw_out, depth=1) as w:  # one chunk written while the next loads
                 w.write(memoryview(layout.header))
-                for (key, off, lens, flat, item, sizes), entry, byte_range in zip(chunks, entries, layout.byte_ranges):
-                    t = dcp_format.load_tensor(dcp_format.read_item(source, item), item, view.tensors[key].torch_dtype, sizes, ckpt.where)
+                for (key, off, lens, flat, item), entry, byte_range in zip(chunks, entries, layout.byte_ranges):
+                    t = view.load_chunk(source, key, item)
                     view_bytes = byte_view(t.contiguous())
                     digests: list[int] = []
                     digest_blocks(view_bytes, cblock, digests)
@@ -190,23 +185,28 @@ def _convert(
         raise
     sweep(out, listed, keep=meta.data_files())
     out.close()
-    log.info("%s: converted %d tensors, %d ShardedObjects, %d bytes from %s", out.url, len(tensors), len(ckpt.values), total, source.url)
+    log.info("%s: converted %d tensors, %d ShardedObjects, %d bytes from %s", out.url, len(tensors), len(view.objects), total, source.url)
     return meta
 
 
-def _check_torch_dist(source: Storage) -> None:
-    """Raise ``CheckpointingException`` unless ``source`` holds a megatron-core torch_dist checkpoint."""
+def _reader(source: Storage) -> TorchDistLoadShardedStrategy:
+    """The strategy that reads ``source``, a megatron-core ``torch_dist`` or ``zarr`` checkpoint;
+    ``CheckpointingException`` for anything else."""
+    listed = source.list()
+    config = maybe_load_config(source) if listed else None
+    backend = config.sharded_backend if config is not None else None
+    if backend == "zarr":
+        return ZarrLoadShardedStrategy()
     if not is_torch_dist_checkpoint(source):
-        listed = source.list()
-        config = maybe_load_config(source) if listed else None
-        hint = "; it is a shardsafe checkpoint already" if config is not None and config.sharded_backend == SHARDSAFE_BACKEND else ""
+        hint = "; it is a shardsafe checkpoint already" if backend == SHARDSAFE_BACKEND else ""
         raise CheckpointingException(
-            f"{source.url}: not a megatron-core torch_dist checkpoint: it holds {len(listed)} file(s) but no {dcp_format.DCP_METADATA}{hint}"
+            f"{source.url}: not a megatron-core torch_dist or zarr checkpoint: it holds {len(listed)} file(s) but no "
+            f"{dcp_format.DCP_METADATA}{hint}"
         )
-    config = maybe_load_config(source)
-    if config is None or config.sharded_backend != "torch_dist":
-        found = "no Megatron metadata.json" if config is None else f"a metadata.json with sharded_backend {config.sharded_backend!r}"
+    if backend != "torch_dist":
+        found = "no Megatron metadata.json" if config is None else f"a metadata.json with sharded_backend {backend!r}"
         raise CheckpointingException(
             f"{source.url}: not a megatron-core torch_dist checkpoint: it has DCP's {dcp_format.DCP_METADATA} but {found} (a plain "
             "torch.distributed.checkpoint folder converts with shardsafe.dcp.convert)"
         )
+    return TorchDistLoadShardedStrategy()

@@ -32,7 +32,7 @@ from ... import adapters
 from ...dcp import dcp_format
 from ...dist import get_comm
 from ...storage import Storage, open_storage
-from ..core import CheckpointingException
+from ..core import CheckpointingException, opened
 from ..mapping import ShardedObject, ShardedStateDict, StateDict
 from .shardsafe import ShardsafeLoadShardedStrategy, location, sharded_metadata, tensors_metadata
 
@@ -106,11 +106,31 @@ class _Stored(NamedTuple):
 
 
 class _View(NamedTuple):
-    """What the load flow needs of a checkpoint's metadata: stored tensors and objects by key."""
+    """What the load flow needs of a checkpoint's metadata: stored tensors and objects by key,
+    each tensor's stored chunks (:meth:`pieces`) and how to read one (:meth:`load_chunk`)."""
 
     tensors: dict[str, _Stored]
     objects: dict[str, dcp_format.DcpItem]
     ckpt: dcp_format.DcpCheckpoint
+
+    @property
+    def where(self) -> str:
+        return self.ckpt.where
+
+    def pieces(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]:
+        """Each stored chunk of ``key`` as (box offset, box shape, flat range of the box or None, item)."""
+        return stored_pieces(key, self.tensors[key], self.ckpt)
+
+    def read_object(self, storage: Storage, unique_key: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
+        """The value of the stored ShardedObject ``unique_key`` (see :func:`safe_torch_load`)."""
+        where = f"{self.where}: ShardedObject {unique_key!r}"
+        return read_sharded_object(storage, self.objects[unique_key], where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
+
+    def load_chunk(self, storage: Storage, key: str, item: Any) -> torch.Tensor:
+        """The stored chunk ``item`` of ``key``: its elements, in a tensor of DCP's chunk shape."""
+        dtype, _, entries = self.ckpt.tensors[key]
+        sizes = next(le for _, le, it in entries if it == item)
+        return dcp_format.load_tensor(dcp_format.read_item(storage, item), item, dtype, sizes, self.ckpt.where)
 
 
 class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
@@ -164,7 +184,7 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
         out = {key: torch.empty(t.shape, dtype=t.torch_dtype) for key, t in meta.tensors.items()}
         storage = open_storage(location(checkpoint_dir))
         try:
-            chunks: dict[dcp_format.DcpItem, torch.Tensor] = {}
+            chunks: dict[tuple[str, Any], torch.Tensor] = {}
             for key, data in out.items():
                 shape = tuple(data.shape)
                 _fill(adapters.ShardedTensor(key, data, shape, (0,) * len(shape), shape), meta, storage, chunks)
@@ -184,19 +204,14 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
     def _object(self, v: Any, meta: Any, checkpoint_dir: Any) -> Any:
         if not isinstance(v, ShardedObject):
             return v
-        item = meta.objects.get(v.unique_key)
-        if item is None:
+        if v.unique_key not in meta.objects:
             raise CheckpointingException(f"{checkpoint_dir}: ShardedObject {v.unique_key!r} is not in the checkpoint")
-        storage = open_storage(location(checkpoint_dir))
-        try:
-            return read_sharded_object(storage, item, f"{checkpoint_dir}: ShardedObject {v.unique_key!r}", allow_pickle=self.allow_pickle, strategy=type(self).__name__)
-        finally:
-            if storage is not checkpoint_dir:
-                storage.close()
+        with opened(location(checkpoint_dir)) as storage:
+            return meta.read_object(storage, v.unique_key, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
 
     def read_targets(self, checkpoint_dir: str | Path | Storage, targets: dict[str, adapters.ShardedTensor], meta: Any) -> None:
         storage = open_storage(location(checkpoint_dir))
-        chunks: dict[dcp_format.DcpItem, torch.Tensor] = {}  # read once per load
+        chunks: dict[tuple[str, Any], torch.Tensor] = {}  # (key, item): read once per load
 
         def fill_all() -> None:
             for t in targets.values():
@@ -209,13 +224,15 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
                 storage.close()
 
 
-def _fill(t: adapters.ShardedTensor, meta: _View, storage: Storage, chunks: dict) -> None:
+def _fill(t: adapters.ShardedTensor, meta: Any, storage: Storage, chunks: dict) -> None:
+    """Fill piece ``t`` from the stored chunks it overlaps (read once each into ``chunks``); ``meta``
+    is a :class:`_View` or another view with its attributes and methods."""
     stored = meta.tensors.get(t.key)
     if stored is None:
-        raise CheckpointingException(f"{meta.ckpt.where}: key {t.key!r} is not in the checkpoint")
+        raise CheckpointingException(f"{meta.where}: key {t.key!r} is not in the checkpoint")
     if tuple(t.global_shape) != stored.shape:
         raise CheckpointingException(
-            f"{meta.ckpt.where}: key {t.key!r} is stored with global shape {list(stored.shape)}, requested with {list(t.global_shape)}"
+            f"{meta.where}: key {t.key!r} is stored with global shape {list(stored.shape)}, requested with {list(t.global_shape)}"
         )
     off, lens = tuple(t.global_offset), tuple(t.local_shape)
     if t.flattened_range is not None:
@@ -223,17 +240,15 @@ def _fill(t: adapters.ShardedTensor, meta: _View, storage: Storage, chunks: dict
     else:
         box = t.data if tuple(t.data.shape) == lens else t.data.view(lens)
     covered = 0
-    for b_off, b_lens, flat, item in stored_pieces(t.key, stored, meta.ckpt):
+    for b_off, b_lens, flat, item in meta.pieces(t.key):
         inter = [(max(o, bo), min(o + n, bo + bn)) for o, n, bo, bn in zip(off, lens, b_off, b_lens)]
         if any(lo >= hi for lo, hi in inter):
             continue
-        if item not in chunks:
-            dtype, _, entries = meta.ckpt.tensors[t.key]
-            sizes = next(le for _, le, it in entries if it == item)
-            chunks[item] = dcp_format.load_tensor(dcp_format.read_item(storage, item), item, dtype, sizes, meta.ckpt.where)
-        data = chunks[item]
+        if (t.key, item) not in chunks:
+            chunks[(t.key, item)] = meta.load_chunk(storage, t.key, item)
+        data = chunks[(t.key, item)]
         if flat is None:
-            src = data.view(b_lens)
+            src = data if tuple(data.shape) == b_lens else data.view(b_lens)
         else:  # a flat range of its box: the box's other elements are other chunks
             src = torch.empty(b_lens, dtype=data.dtype)
             mask = torch.zeros(b_lens, dtype=torch.bool)
@@ -251,7 +266,7 @@ def _fill(t: adapters.ShardedTensor, meta: _View, storage: Storage, chunks: dict
         covered += prod(hi - lo for lo, hi in inter)
     if covered != prod(lens):
         raise CheckpointingException(
-            f"{meta.ckpt.where}: key {t.key!r}: the stored chunks cover {covered} of the {prod(lens)} elements of the piece at "
+            f"{meta.where}: key {t.key!r}: the stored chunks cover {covered} of the {prod(lens)} elements of the piece at "
             f"{list(off)} shape {list(lens)}"
         )
     if t.flattened_range is not None:
