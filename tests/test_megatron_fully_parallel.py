@@ -9,6 +9,7 @@ against plain-torch ground truth, with both exchange algorithms, at the saved la
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from typing import Any
 
@@ -109,3 +110,68 @@ def test_fully_parallel_load_reads_each_stored_byte_once_per_group_and_is_bit_ex
         assert parallel == per_group
         assert plain == per_group + 4 * 6 * 4 + 6 * 4 * 2 + 6 * 4  # every replicated byte read twice
     assert sum(r["tp1"][0] for r in results) == 8 * 6 * 4 + 6 * 8 * 2 + 6 * 4 + 8 * 6 * 4  # once for the whole job
+
+
+def _big_truth() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "big": torch.randn(512, 1024, generator=g),  # 2 MiB: broadcast on its own, from and into the tensors
+        "big2": torch.randn(1024, 1024, generator=g).bfloat16(),
+        "small": torch.randn(6, generator=g),  # shares one buffer with the reader's other small pieces
+    }
+
+
+def _zeros(shape: tuple[int, int], dtype: torch.dtype, contiguous: bool) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype) if contiguous else torch.zeros(shape[::-1], dtype=dtype).t()
+
+
+def _large_pieces(rank: int, world: int, path: str) -> dict:
+    truth = _big_truth()
+    save({k: ShardedTensor.from_rank_offsets(k, v.clone(), replica_id=rank) for k, v in truth.items()}, path)
+    # rank 0: big (contiguous) and big2 (contiguous); rank 1: big into a transposed view; rank 2: big2 into a
+    # transposed view. Each big piece has one rank that does not request it; rank 2 reads and sends big2 from
+    # its transposed view.
+    wanted = {0: {"big": True, "big2": True}, 1: {"big": False}, 2: {"big2": False}}[rank]
+    request = {k: ShardedTensor.from_rank_offsets(k, _zeros(tuple(truth[k].shape), truth[k].dtype, c), replica_id=rank) for k, c in wanted.items()}
+    request["small"] = ShardedTensor.from_rank_offsets("small", torch.zeros(6), replica_id=rank)
+    storage = CountingStorage(path)
+    got = load(request, storage, sharded_strategy=FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy()))
+    return {"keys": sorted(got), "exact": all(torch.equal(got[k], truth[k]) for k in got), "read": storage.data_bytes}
+
+
+def test_fully_parallel_load_exchanges_large_pieces_into_any_tensor(tmp_path):
+    results = run_ranks(3, _large_pieces, str(tmp_path / "c"))
+    assert [r["keys"] for r in results] == [["big", "big2", "small"], ["big", "small"], ["big2", "small"]]
+    assert all(r["exact"] for r in results)
+    assert sum(r["read"] for r in results) == 512 * 1024 * 4 + 1024 * 1024 * 2 + 6 * 4  # each stored byte once
+
+
+def _save_rows(rank: int, world: int, path: str) -> None:
+    save({"a": ShardedTensor.from_rank_offsets("a", torch.full((1, 8), float(rank)), (0, rank, world))}, path)
+
+
+def _load_rows(rank: int, world: int, path: str) -> tuple[str, str]:
+    from shardsafe.errors import CorruptCheckpointError
+
+    try:
+        load({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(1, 8), (0, rank, world))}, path)
+    except CorruptCheckpointError as e:
+        return type(e).__name__, str(e)
+    return "loaded", ""
+
+
+def test_a_damaged_chunk_one_rank_reads_raises_on_every_rank(tmp_path):
+    from shardsafe import Checkpointer
+
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_rows, path)
+    meta = Checkpointer().get_metadata(path, no_dist=True)
+    ((file, spec),) = [(f, s) for f, specs in meta.tensors["a"].shard_spec_per_file.items() for s in specs if s.global_offset == (1, 0)]
+    with open(os.path.join(path, file), "r+b") as f:  # one byte of rank 1's row
+        f.seek(spec.byte_range[0])
+        byte = f.read(1)
+        f.seek(spec.byte_range[0])
+        f.write(bytes([byte[0] ^ 0xFF]))
+    results = run_ranks(2, _load_rows, path)
+    assert [r[0] for r in results] == ["CorruptCheckpointError", "CorruptCheckpointError"]
+    assert all("key 'a'" in r[1] and file in r[1] for r in results), results

@@ -276,6 +276,11 @@ def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
 
         meta = convert(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress or False)
         counts = {"tensors": len(meta.tensors), "values": len(meta.objects) + len(meta.pickled_objects)}
+    elif args.source == "megatron":
+        from .megatron.convert import convert_megatron
+
+        meta = convert_megatron(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress or False)
+        counts = {"tensors": len(meta.tensors), "values": len(meta.objects) + len(meta.pickled_objects)}
     elif args.source == "torch":
         counts = convert_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle)
     else:
@@ -343,11 +348,12 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(run=cmd_export)
 
     s = sub.add_parser("convert", parents=[common], help="into a shardsafe checkpoint",
-                       description="Convert a torch.distributed.checkpoint folder (dcp), a torch.save file (torch, read "
-                       "with weights_only=True) or a Hugging Face safetensors file or folder (hf) into a shardsafe checkpoint.")
+                       description="Convert a torch.distributed.checkpoint folder (dcp), a megatron-core torch_dist or zarr checkpoint "
+                       "(megatron), a torch.save file (torch, read with weights_only=True) or a Hugging Face safetensors "
+                       "file or folder (hf) into a shardsafe checkpoint.")
     s.add_argument("src", help="what to convert")
     s.add_argument("dst", help="the new checkpoint's directory or URL")
-    s.add_argument("--from", dest="source", required=True, choices=["dcp", "torch", "hf"], help="the kind of SRC")
+    s.add_argument("--from", dest="source", required=True, choices=["dcp", "megatron", "torch", "hf"], help="the kind of SRC")
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint committed at DST")
     s.add_argument("--allow-pickle", action="store_true", help="store values JSON cannot hold with pickle (trusted sources only)")
     s.set_defaults(run=cmd_convert)

@@ -9,9 +9,12 @@ and then writes shardsafe checkpoints: one atomic commit, checksums on every byt
 pickle, any layout (TP, PP, DP, EP, distributed-optimizer ranges) into any other. The submodules
 have Megatron's names: :mod:`.mapping`, :mod:`.serialization`, :mod:`.validation`, :mod:`.core`,
 :mod:`.dict_utils`, :mod:`.utils`, :mod:`.optimizer`, :mod:`.strategies`. megatron-core itself is never imported.
+Checkpoints megatron-core's ``torch_dist`` and ``zarr`` backends wrote load through :func:`load` as they are, and
+:func:`convert_megatron` converts one into shardsafe's format.
 """
 
 from . import core, dict_utils, mapping, optimizer, serialization, strategies, utils, validation
+from .convert import convert_megatron
 from .core import CheckpointingConfig, CheckpointingException, check_is_distributed_checkpoint
 from .mapping import (
     LocalNonpersistentObject,
@@ -53,6 +56,7 @@ __all__ = [
     "ShardedTensorFactory",
     "StrictHandling",
     "check_is_distributed_checkpoint",
+    "convert_megatron",
     "core",
     "dict_utils",
     "load",

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..checkpointer import Checkpointer
+from ..dcp.dcp_format import DCP_METADATA
 from ..dist import get_comm
 from .core import (
     SHARDSAFE_BACKEND,
@@ -25,6 +26,7 @@ from .core import (
     CheckpointingException,
     config_from_document,
     maybe_load_config,
+    opened,
 )
 from .dict_utils import merge, nested_values
 from .mapping import CommonStateDict, ShardedStateDict, StateDict, apply_factory_merges
@@ -45,7 +47,8 @@ from .strategies.shardsafe import (
     read_metadata,
     request_for,
 )
-from .strategies.torch_dist import TorchDistLoadShardedStrategy, is_torch_dist_checkpoint
+from .strategies.torch_dist import COMMON_FNAME, TorchDistLoadShardedStrategy
+from .strategies.zarr import ZarrLoadShardedStrategy
 from .utils import extract_sharded_base
 from .validation import StrictHandling, parse_strict_flag
 
@@ -162,12 +165,28 @@ def load(
     return common
 
 
-def _is_torch_dist(checkpoint_dir: Any) -> bool:
-    """True for a checkpoint megatron-core's torch_dist backend wrote (DCP files and Megatron's config)."""
-    if not is_torch_dist_checkpoint(checkpoint_dir):
-        return False
+def _megatron_reader(checkpoint_dir: Any) -> TorchDistLoadShardedStrategy | None:
+    """The strategy that reads the checkpoint megatron-core's own ``torch_dist`` (DCP files and
+    Megatron's config) or ``zarr`` backend wrote at ``checkpoint_dir``; None for any other."""
+    with opened(location(checkpoint_dir)) as storage:
+        files = storage.list()
+    # a listing first: a shardsafe checkpoint's metadata.json (it may be large) is not read here
+    torch_dist = DCP_METADATA in files
+    if not torch_dist and (COMMON_FNAME not in files or any(f.endswith(".safetensors") for f in files)):
+        return None
     config = maybe_load_config(location(checkpoint_dir))
-    return config is not None and config.sharded_backend == "torch_dist"
+    if config is None:
+        return None
+    if config.sharded_backend == "torch_dist" and torch_dist:
+        return TorchDistLoadShardedStrategy()
+    if config.sharded_backend == "zarr":
+        return ZarrLoadShardedStrategy()
+    return None
+
+
+def _is_torch_dist(checkpoint_dir: Any) -> bool:
+    """True for a checkpoint megatron-core's torch_dist or zarr backend wrote."""
+    return _megatron_reader(checkpoint_dir) is not None
 
 
 def _reads_torch_dist(strategy: Any) -> bool:
@@ -177,8 +196,8 @@ def _reads_torch_dist(strategy: Any) -> bool:
 
 def _for_dir(checkpoint_dir: Any, sharded_strategy: Any) -> Any:
     """``sharded_strategy``, or for None the strategy that reads the checkpoint at ``checkpoint_dir``."""
-    if sharded_strategy is None and _is_torch_dist(checkpoint_dir):
-        return TorchDistLoadShardedStrategy()
+    if sharded_strategy is None:
+        return _megatron_reader(checkpoint_dir)
     return sharded_strategy
 
 
@@ -191,8 +210,9 @@ def config_of(meta: Any) -> CheckpointingConfig:
 def load_common_state_dict(checkpoint_dir: str | Path) -> StateDict:
     """The checkpoint's common state (no process group needed). Values saved with pickle need
     ``ShardsafeLoadShardedStrategy(allow_pickle=True).load_common(checkpoint_dir)``."""
-    if _is_torch_dist(checkpoint_dir):
-        return TorchDistLoadShardedStrategy().load_common(checkpoint_dir)
+    reader = _megatron_reader(checkpoint_dir)
+    if reader is not None:
+        return reader.load_common(checkpoint_dir)
     return ShardsafeLoadShardedStrategy().load_common(checkpoint_dir)
 
 
@@ -214,8 +234,9 @@ def load_sharded_metadata(
 def load_plain_tensors(checkpoint_dir: str | Path) -> StateDict:
     """Every stored tensor, whole, by key (not the common state). Needs no process group; in
     a distributed job each rank that calls it reads every tensor."""
-    if _is_torch_dist(checkpoint_dir):
-        return TorchDistLoadShardedStrategy().load_plain(checkpoint_dir)
+    reader = _megatron_reader(checkpoint_dir)
+    if reader is not None:
+        return reader.load_plain(checkpoint_dir)
     meta = read_metadata(checkpoint_dir, no_dist=True)
     out = {key: torch.empty(t.shape, dtype=t.torch_dtype) for key, t in meta.tensors.items()}
     Checkpointer().load(str(checkpoint_dir), out, no_dist=True, metadata=meta)
@@ -270,7 +291,10 @@ def verify_checkpoint_and_load_strategy(
     if _reads_torch_dist(strategy):
         config = maybe_load_config(location(checkpoint_dir))
         if config is None or not _is_torch_dist(checkpoint_dir):
-            raise CheckpointingException(f"{checkpoint_dir} is not a megatron-core torch_dist checkpoint (no .metadata or no Megatron metadata.json)")
+            raise CheckpointingException(
+                f"{checkpoint_dir} is not a megatron-core torch_dist or zarr checkpoint (no Megatron metadata.json, or a "
+                "torch_dist one without .metadata)"
+            )
     else:
         config = config_of(read_metadata(checkpoint_dir, no_dist=True))
     strategy.check_backend_compatibility(config.sharded_backend)

@@ -2,7 +2,9 @@
 
 shardsafe.megatron has one backend, shardsafe's format (:mod:`.shardsafe`), registered as the
 default for ``"shardsafe"`` and, so that code asking Megatron's default ``"torch_dist"`` backend
-gets it, for ``"torch_dist"`` too.
+gets it, for ``"torch_dist"`` too. Checkpoints megatron-core's own ``torch_dist`` and ``zarr``
+backends wrote load through :class:`TorchDistLoadShardedStrategy` and
+:class:`ZarrLoadShardedStrategy` (chosen by ``shardsafe.megatron.load`` from the checkpoint).
 """
 
 from .async_utils import AsyncCallsQueue, AsyncRequest
@@ -21,6 +23,7 @@ from .base import (
 from .fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
 from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
 from .torch_dist import TorchDistLoadShardedStrategy
+from .zarr import ZarrLoadShardedStrategy
 
 __all__ = [
     "AsyncCallsQueue",
@@ -38,6 +41,7 @@ __all__ = [
     "ShardsafeSaveShardedStrategy",
     "StrategyAction",
     "TorchDistLoadShardedStrategy",
+    "ZarrLoadShardedStrategy",
     "get_default_strategy",
     "register_default_strategy",
 ]

@@ -30,6 +30,9 @@ __all__ = ["FullyParallelLoadStrategyWrapper", "FullyParallelSaveStrategyWrapper
 
 _EXCHANGE_ALGOS = {"broadcast": "broadcast", "all_gather": "all_gather", "gather_rounds": "all_gather", "gather_object": "all_gather"}
 _ALIGN = 16  # each piece starts at a multiple of this in an exchange buffer (any dtype views it)
+_DIRECT_BYTES = 1 << 20
+"""A piece of at least this many bytes is broadcast on its own, from and into the tensors
+themselves; smaller ones share one buffer per reader (one collective for many small pieces)."""
 
 
 class FullyParallelSaveStrategyWrapper(ShardsafeSaveShardedStrategy):
@@ -174,15 +177,19 @@ class FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy):
                 if r != comm.rank:
                     _unpack(bufs[r], sent[r], local)
             return
+        scratch: list[torch.Tensor] = []  # one buffer for the large pieces this rank does not request
         for r in range(comm.world_size):
-            if plan.sizes[r] == 0:
-                continue
-            buf = torch.empty(plan.sizes[r], dtype=torch.uint8)
-            if r == comm.rank:
-                _pack(buf, sent[r], local)
-            dist.broadcast(buf, src=comm.global_ranks[r], group=group)
-            if r != comm.rank:
-                _unpack(buf, sent[r], local)
+            small = [p for p in sent[r] if p.nbytes < _DIRECT_BYTES]
+            if small:  # the small pieces in one buffer: one collective for all of them
+                buf = torch.empty(sum(_aligned(p.nbytes) for p in small), dtype=torch.uint8)
+                if r == comm.rank:
+                    _pack(buf, small, local)
+                dist.broadcast(buf, src=comm.global_ranks[r], group=group)
+                if r != comm.rank:
+                    _unpack(buf, small, local)
+            for p in sent[r]:  # a large piece straight from the reader's tensor into the others'
+                if p.nbytes >= _DIRECT_BYTES:
+                    _broadcast_piece(p, local.get(p), comm.global_ranks[r], r == comm.rank, group, scratch)
 
 
 def distribute(per_rank: list[list[_Piece]]) -> _Plan:
@@ -221,6 +228,27 @@ def _pack(buf: torch.Tensor, pieces: list[_Piece], local: dict[_Piece, adapters.
         data = local[p].data
         buf[at : at + p.nbytes].view(data.dtype).view(data.shape).copy_(data)
         at += _aligned(p.nbytes)
+
+
+def _broadcast_piece(
+    p: _Piece, t: adapters.ShardedTensor | None, src: int, sending: bool, group: Any, scratch: list[torch.Tensor]
+) -> None:
+    """Broadcast piece ``p`` from its reader ``src`` (``sending`` on the reader): the bytes of
+    ``t.data`` where it is contiguous, through a buffer where it is not or where this rank does not
+    request ``p`` (``t`` is None)."""
+    data = t.data if t is not None else None
+    direct = data is not None and data.is_contiguous()
+    if direct:
+        buf = data.reshape(-1).view(torch.uint8)  # type: ignore[union-attr]
+    else:
+        if not scratch or scratch[0].numel() < p.nbytes:
+            scratch[:] = [torch.empty(p.nbytes, dtype=torch.uint8)]
+        buf = scratch[0][: p.nbytes]
+        if sending:
+            buf.view(data.dtype).view(data.shape).copy_(data)  # type: ignore[union-attr]
+    dist.broadcast(buf, src=src, group=group)
+    if not sending and not direct and data is not None:
+        data.copy_(buf.view(data.dtype).view(data.shape))
 
 
 def _unpack(buf: torch.Tensor, pieces: list[_Piece], local: dict[_Piece, adapters.ShardedTensor]) -> None:

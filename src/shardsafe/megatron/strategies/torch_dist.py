@@ -32,11 +32,11 @@ from ... import adapters
 from ...dcp import dcp_format
 from ...dist import get_comm
 from ...storage import Storage, open_storage
-from ..core import CheckpointingException
+from ..core import CheckpointingException, opened
 from ..mapping import ShardedObject, ShardedStateDict, StateDict
 from .shardsafe import ShardsafeLoadShardedStrategy, location, sharded_metadata, tensors_metadata
 
-__all__ = ["COMMON_ALLOWLIST", "TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint"]
+__all__ = ["COMMON_ALLOWLIST", "TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint", "read_common_pt", "read_sharded_object", "stored_pieces"]
 
 COMMON_FNAME = "common.pt"
 COMMON_ALLOWLIST: list[Any] = [argparse.Namespace, types.SimpleNamespace]
@@ -44,9 +44,12 @@ COMMON_ALLOWLIST: list[Any] = [argparse.Namespace, types.SimpleNamespace]
 (tensors, dtypes, containers, numbers, strings): what Megatron stores there."""
 
 
-def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str) -> Any:
+def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
     """What ``torch.save`` wrote in ``raw``, read by torch's safe loader with :data:`COMMON_ALLOWLIST`
-    added; a pickle it refuses raises ``CheckpointingException`` unless ``allow_pickle``."""
+    added; a pickle it refuses raises ``CheckpointingException`` unless ``allow_pickle``, ending
+    with ``opt_in`` (by default: pass ``sharded_strategy=<strategy>(allow_pickle=True)``)."""
+    if opt_in is None:
+        opt_in = f"Pass sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
     try:
         with torch.serialization.safe_globals(COMMON_ALLOWLIST):
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
@@ -54,16 +57,15 @@ def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str
         if not allow_pickle:
             raise CheckpointingException(
                 f"{where} holds a pickle that torch's safe loader refuses, even with {[c.__qualname__ for c in COMMON_ALLOWLIST]} "
-                f"allowed ({str(e).splitlines()[0][:200]}); loading it can run arbitrary code. Pass "
-                f"sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
+                f"allowed ({str(e).splitlines()[0][:200]}); loading it can run arbitrary code. {opt_in}"
             ) from None
     except Exception as e:  # noqa: BLE001 - a damaged file
         raise CheckpointingException(f"{where}: cannot read it: {type(e).__name__}: {str(e)[:300]}") from None
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
 
 
-def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str) -> StateDict:
-    """Megatron's ``common.pt`` in ``checkpoint_dir`` (``{}`` if there is none)."""
+def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> StateDict:
+    """Megatron's ``common.pt`` in ``checkpoint_dir`` (``{}`` if there is none); see :func:`safe_torch_load`."""
     storage = open_storage(location(checkpoint_dir))
     try:
         raw = storage.read(COMMON_FNAME)
@@ -73,10 +75,18 @@ def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, 
         if storage is not checkpoint_dir:
             storage.close()
     where = f"{checkpoint_dir}/{COMMON_FNAME}"
-    common = safe_torch_load(bytes(raw), where, allow_pickle=allow_pickle, strategy=strategy)
+    common = safe_torch_load(bytes(raw), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
     if not isinstance(common, dict):
         raise CheckpointingException(f"{where} holds a {type(common).__name__}, not a dict")
     return common
+
+
+def read_sharded_object(storage: Storage, item: dcp_format.DcpItem, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
+    """The value of the ShardedObject stored as ``item`` (see :func:`safe_torch_load`)."""
+    stored = safe_torch_load(bytes(dcp_format.read_item(storage, item)), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
+    if not isinstance(stored, list) or not stored:  # Megatron saves [value] (the values of the cell's holders on one rank)
+        raise CheckpointingException(f"{where}: holds a {type(stored).__name__}, not the one-item list megatron-core stores")
+    return stored[0]
 
 
 def is_torch_dist_checkpoint(checkpoint_dir: str | Path | Storage) -> bool:
@@ -96,11 +106,31 @@ class _Stored(NamedTuple):
 
 
 class _View(NamedTuple):
-    """What the load flow needs of a checkpoint's metadata: stored tensors and objects by key."""
+    """What the load flow needs of a checkpoint's metadata: stored tensors and objects by key,
+    each tensor's stored chunks (:meth:`pieces`) and how to read one (:meth:`load_chunk`)."""
 
     tensors: dict[str, _Stored]
     objects: dict[str, dcp_format.DcpItem]
     ckpt: dcp_format.DcpCheckpoint
+
+    @property
+    def where(self) -> str:
+        return self.ckpt.where
+
+    def pieces(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]:
+        """Each stored chunk of ``key`` as (box offset, box shape, flat range of the box or None, item)."""
+        return stored_pieces(key, self.tensors[key], self.ckpt)
+
+    def read_object(self, storage: Storage, unique_key: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
+        """The value of the stored ShardedObject ``unique_key`` (see :func:`safe_torch_load`)."""
+        where = f"{self.where}: ShardedObject {unique_key!r}"
+        return read_sharded_object(storage, self.objects[unique_key], where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
+
+    def load_chunk(self, storage: Storage, key: str, item: Any) -> torch.Tensor:
+        """The stored chunk ``item`` of ``key``: its elements, in a tensor of DCP's chunk shape."""
+        dtype, _, entries = self.ckpt.tensors[key]
+        sizes = next(le for _, le, it in entries if it == item)
+        return dcp_format.load_tensor(dcp_format.read_item(storage, item), item, dtype, sizes, self.ckpt.where)
 
 
 class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
@@ -154,7 +184,7 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
         out = {key: torch.empty(t.shape, dtype=t.torch_dtype) for key, t in meta.tensors.items()}
         storage = open_storage(location(checkpoint_dir))
         try:
-            chunks: dict[dcp_format.DcpItem, torch.Tensor] = {}
+            chunks: dict[tuple[str, Any], torch.Tensor] = {}
             for key, data in out.items():
                 shape = tuple(data.shape)
                 _fill(adapters.ShardedTensor(key, data, shape, (0,) * len(shape), shape), meta, storage, chunks)
@@ -174,27 +204,14 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
     def _object(self, v: Any, meta: Any, checkpoint_dir: Any) -> Any:
         if not isinstance(v, ShardedObject):
             return v
-        item = meta.objects.get(v.unique_key)
-        if item is None:
+        if v.unique_key not in meta.objects:
             raise CheckpointingException(f"{checkpoint_dir}: ShardedObject {v.unique_key!r} is not in the checkpoint")
-        storage = open_storage(location(checkpoint_dir))
-        try:
-            raw = dcp_format.read_item(storage, item)
-        finally:
-            if storage is not checkpoint_dir:
-                storage.close()
-        where = f"{checkpoint_dir}: ShardedObject {v.unique_key!r}"
-        stored = self._unpickle(bytes(raw), where)
-        if not isinstance(stored, list) or not stored:  # Megatron saves [value] (the values of the cell's holders on one rank)
-            raise CheckpointingException(f"{where}: holds a {type(stored).__name__}, not the one-item list megatron-core stores")
-        return stored[0]
-
-    def _unpickle(self, raw: bytes, where: str) -> Any:
-        return safe_torch_load(raw, where, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
+        with opened(location(checkpoint_dir)) as storage:
+            return meta.read_object(storage, v.unique_key, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
 
     def read_targets(self, checkpoint_dir: str | Path | Storage, targets: dict[str, adapters.ShardedTensor], meta: Any) -> None:
         storage = open_storage(location(checkpoint_dir))
-        chunks: dict[dcp_format.DcpItem, torch.Tensor] = {}  # read once per load
+        chunks: dict[tuple[str, Any], torch.Tensor] = {}  # (key, item): read once per load
 
         def fill_all() -> None:
             for t in targets.values():
@@ -207,13 +224,15 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
                 storage.close()
 
 
-def _fill(t: adapters.ShardedTensor, meta: _View, storage: Storage, chunks: dict) -> None:
+def _fill(t: adapters.ShardedTensor, meta: Any, storage: Storage, chunks: dict) -> None:
+    """Fill piece ``t`` from the stored chunks it overlaps (read once each into ``chunks``); ``meta``
+    is a :class:`_View` or another view with its attributes and methods."""
     stored = meta.tensors.get(t.key)
     if stored is None:
-        raise CheckpointingException(f"{meta.ckpt.where}: key {t.key!r} is not in the checkpoint")
+        raise CheckpointingException(f"{meta.where}: key {t.key!r} is not in the checkpoint")
     if tuple(t.global_shape) != stored.shape:
         raise CheckpointingException(
-            f"{meta.ckpt.where}: key {t.key!r} is stored with global shape {list(stored.shape)}, requested with {list(t.global_shape)}"
+            f"{meta.where}: key {t.key!r} is stored with global shape {list(stored.shape)}, requested with {list(t.global_shape)}"
         )
     off, lens = tuple(t.global_offset), tuple(t.local_shape)
     if t.flattened_range is not None:
@@ -221,17 +240,15 @@ def _fill(t: adapters.ShardedTensor, meta: _View, storage: Storage, chunks: dict
     else:
         box = t.data if tuple(t.data.shape) == lens else t.data.view(lens)
     covered = 0
-    for b_off, b_lens, flat, item in _stored_pieces(t.key, stored, meta.ckpt):
+    for b_off, b_lens, flat, item in meta.pieces(t.key):
         inter = [(max(o, bo), min(o + n, bo + bn)) for o, n, bo, bn in zip(off, lens, b_off, b_lens)]
         if any(lo >= hi for lo, hi in inter):
             continue
-        if item not in chunks:
-            dtype, _, entries = meta.ckpt.tensors[t.key]
-            sizes = next(le for _, le, it in entries if it == item)
-            chunks[item] = dcp_format.load_tensor(dcp_format.read_item(storage, item), item, dtype, sizes, meta.ckpt.where)
-        data = chunks[item]
+        if (t.key, item) not in chunks:
+            chunks[(t.key, item)] = meta.load_chunk(storage, t.key, item)
+        data = chunks[(t.key, item)]
         if flat is None:
-            src = data.view(b_lens)
+            src = data if tuple(data.shape) == b_lens else data.view(b_lens)
         else:  # a flat range of its box: the box's other elements are other chunks
             src = torch.empty(b_lens, dtype=data.dtype)
             mask = torch.zeros(b_lens, dtype=torch.bool)
@@ -249,14 +266,14 @@ def _fill(t: adapters.ShardedTensor, meta: _View, storage: Storage, chunks: dict
         covered += prod(hi - lo for lo, hi in inter)
     if covered != prod(lens):
         raise CheckpointingException(
-            f"{meta.ckpt.where}: key {t.key!r}: the stored chunks cover {covered} of the {prod(lens)} elements of the piece at "
+            f"{meta.where}: key {t.key!r}: the stored chunks cover {covered} of the {prod(lens)} elements of the piece at "
             f"{list(off)} shape {list(lens)}"
         )
     if t.flattened_range is not None:
         t.data.copy_(box.view(-1)[t.flattened_range])
 
 
-def _stored_pieces(key: str, stored: _Stored, ckpt: dcp_format.DcpCheckpoint) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]:
+def stored_pieces(key: str, stored: _Stored, ckpt: dcp_format.DcpCheckpoint) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]:
     """Each stored chunk of ``key`` as (box offset, box shape, flat range of the box or None, item)."""
     _, _, entries = ckpt.tensors[key]
     if stored.grid is None:
