@@ -171,6 +171,7 @@ def _convert(
             whole = len(pieces) == 1 and pieces[0].flattened_range is None and pieces[0].local_shape == stored.shape
             tensors[key] = TensorStorageMetadata(shape=stored.shape, dtype=dtype_name(stored.torch_dtype), is_sharded=not whole, shard_spec_per_file=specs[key])
         meta = StorageMetadata(
+            format_version=2,  # laid out as format v2: chunk places and checksums in metadata.json
             checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=cblock), files=files, tensors=tensors, objects=objects,
         )
         put_metadata(out, meta.to_json(), seen=seen, save_overwrite=overwrite)
