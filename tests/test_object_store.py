@@ -425,14 +425,16 @@ def test_a_strided_load_reads_the_checksum_blocks_of_its_rows_and_no_byte_more()
     storage = _open(c)
     full = _full("m", (64, 4096), torch.float32)  # rows of 16 KiB
     block = 64 << 10  # 4 rows per checksum block
-    Checkpointer(knobs=dataclasses.replace(KNOBS, checksum_block_bytes=block)).save(storage, {"m": full})
+    meta, _ = Checkpointer(knobs=dataclasses.replace(KNOBS, checksum_block_bytes=block)).save(storage, {"m": full})
     c.proxy.reset_records()
     target = torch.full((16, 1024), float("nan"))  # rows [8, 24), columns [1024, 2048): blocks 2 to 5
     st = shardsafe.ShardedTensor("m", target, (64, 4096), (8, 1024), (16, 1024))
     Checkpointer().load(storage, {"m": st}, no_dist=True)
     assert torch.equal(_bytes(target), _bytes(full[8:24, 1024:2048]))
     gets = [r for r in c.proxy.snapshot() if r.path.endswith(".safetensors")]
-    assert sum(r.received for r in gets) == 4 * block
+    (info,) = meta.file_table
+    sums = 8 * (64 * 4096 * 4 // block)  # the file's checksum entry: one digest per block
+    assert sum(r.received for r in gets) == info.header_bytes + sums + 4 * block  # its header and checksum entry, then the blocks
 
 
 def test_an_interrupted_upload_is_aborted(object_cloud) -> None:
@@ -552,7 +554,10 @@ def test_save_on_2_ranks_load_resharded_on_4_moves_only_the_bytes_needed(object_
     # emb rows to rows: half of a stored chunk, block-aligned: exactly what it needs (4 x 5 MiB);
     # proj rows to columns: every row, so both stored 512 KiB chunks whole (4 x 1 MiB);
     # norm, replicated: all of it on every rank (4 x 16 KiB); bias: the 4000-byte chunk holding its half (4 x 4000)
-    assert moved == 4 * (5 << 20) + 4 * (1 << 20) + 4 * 16384 + 4 * 4000, (moved, need)
+    # and, before any of it, the header and the checksum entry of each file it needs (both files, on every rank)
+    meta = Checkpointer().get_metadata(_open(c, url), no_dist=True)
+    index = [f.header_bytes + 8 * len(meta.resolver.file(i).digests) for i, f in enumerate(meta.file_table)]
+    assert moved == 4 * (5 << 20) + 4 * (1 << 20) + 4 * 16384 + 4 * 4000 + 4 * sum(index), (moved, need, index)
     assert need == 4 * (5 << 20) + (1 << 20) + 4 * 16384 + 8000
     assert _overlap(data) >= 2
 

@@ -115,7 +115,7 @@ def _stale_part_on_one_rank(rank: int, ws: int, path: str) -> dict:
     b's plan had not reached it). Save c has b's structure: a's part is stale and must not be
     reused."""
     before = dict(plan_cache.stats())
-    key = ((0, 1), KNOBS.replica_split_bytes)
+    key = ((0, 1), KNOBS.replica_split_bytes, KNOBS.checksum_block_bytes)
     Checkpointer().save(f"{path}/a", {"x": torch.arange(4.0), "y": torch.ones(3)})
     kept = dataclasses.replace(plan_cache.lookup(key))
     Checkpointer().save(f"{path}/b", {"x": torch.arange(4.0), "y": torch.ones(3), "z": torch.zeros(2)})

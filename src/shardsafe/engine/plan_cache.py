@@ -34,7 +34,7 @@ __all__ = [
     "store_coordinator", "store_rank",
 ]
 
-CacheKey = tuple  # (global ranks of the group, replica_split_bytes)
+CacheKey = tuple  # (global ranks of the group, replica_split_bytes, checksum_block_bytes)
 
 
 @dataclass
