@@ -143,7 +143,7 @@ class Checkpointer:
         comm = self._comm("load", no_dist, process_group)
         bar = rank_progress(progress, "load", comm.is_coordinator)
         meta = metadata if metadata is not None else _read_metadata(storage, comm)
-        if meta.resolver is None:  # metadata the caller parsed: its files are this location's
+        if meta.resolver is None or meta.resolver.storage.url != storage.url:  # given by the caller: read this location's files
             meta.bind(storage)
         self._load(storage, state_dict, comm, meta, bar)
 
