@@ -1,8 +1,9 @@
-"""Writes tests/data/v1_checkpoint with shardsafe 0.1 (format v1): 2 simulated ranks.
-
-Run with the last v1 writer checked out, e.g.
-``git worktree add /tmp/v1src 8c5e966 && cd /tmp/v1src && PYTHONPATH=/tmp/v1src/src python
-<this file> <repo>/tests/data/v1_checkpoint``. The ground truth goes beside it as a safetensors file.
+"""Writes a checkpoint of 2 simulated ranks into the directory given, with the writer checked out:
+tests/data/v1_checkpoint was written by shardsafe 0.1 (format v1), v2_checkpoint by the last
+format-v2 writer (f50ebcf). E.g.
+``git worktree add /tmp/old 8c5e966 && cd /tmp/old && PYTHONPATH=/tmp/old/src python
+<this file> <repo>/tests/data/v1_checkpoint``. The ground truth goes beside it, as
+``<directory>_truth.safetensors``.
 """
 import os
 import shutil
@@ -11,7 +12,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, os.getcwd())  # the v1 checkout, for its tests.simulate
+sys.path.insert(0, os.getcwd())  # the old checkout, for its tests.simulate
 from tests.simulate import simulate_save  # noqa: E402
 
 from shardsafe import ShardedTensor  # noqa: E402
@@ -32,5 +33,5 @@ for r in range(2):
         "b": b.clone(),
     })
 simulate_save(out, per_rank)
-save_file({"w": w, "f": f, "b": b}, os.path.join(os.path.dirname(out), "v1_checkpoint_truth.safetensors"))
+save_file({"w": w, "f": f, "b": b}, out.rstrip("/") + "_truth.safetensors")
 print(sorted(os.listdir(out)))
