@@ -66,3 +66,16 @@ def test_checksum_entry_longer_than_the_file_fails_as_truncated_before_allocatin
     _write_meta(path, doc)
     with pytest.raises(CorruptCheckpointError, match=f"{name}: truncated"):
         Checkpointer().unshard(path, no_dist=True)
+
+
+def test_chunk_count_beyond_what_the_headers_can_name_is_refused_before_decoding(tmp_path):
+    # a few runs can stand for any number of chunks; each chunk is an entry of a data file's
+    # header, so a table of 2**36 one-element chunks in a file with a 300-byte header is damage
+    path = str(tmp_path / "ckpt")
+    doc, _ = _save(path)
+    n = 2**36
+    doc["tensors"]["x"]["shape"] = [n]
+    doc["tensors"]["x"]["table"] = {"count": n, "file": [[0, 0, n]], "offset": [[[0, 1, n]]], "length": [[[1, 0, n]]]}
+    _write_meta(path, doc)
+    with pytest.raises(CorruptCheckpointError, match=f"tensor 'x': count {n} is more chunks than the data files' headers"):
+        Checkpointer().get_metadata(path, no_dist=True)
