@@ -8,7 +8,8 @@ Hypothesis draws mutations of a valid checkpoint (the ``sharded`` and ``single``
 - bad dtypes; overlapping chunks (a chunk repeated, or moved by one, a flattened range moved);
 - format v3 chunk tables: a run's ``first``, ``step`` or ``count`` changed by a little or a
   lot, in any column (file indices, offsets, lengths, flattened starts and stops), a wrong
-  ``count``, a tensor's shape changed by one in a dimension;
+  ``count``, a tensor's shape changed by one in a dimension, every column one run of a huge
+  count (a few bytes of JSON that would decode to billions of chunks);
 - the v3 file table: two entries swapped (so chunks name the wrong file), digests or sizes of
   another entry, an entry dropped or repeated, ``size`` or ``header_bytes`` off by a little;
 - data file names that leave the directory (``../x``, ``/etc/passwd``, ``a/b``, ...), with the
@@ -22,7 +23,8 @@ metadata read, a same-layout load, ``unshard``, ``unshard_to_safetensors`` and `
 only acceptable outcomes are ``detected`` (a ``CheckpointError``), ``accepted`` (no error, and
 every value the path returned bit-exact) and ``accepted-declared`` (no error, and the values
 differ only because the mutation changed what ``metadata.json`` declares: a stored value, a
-dtype, or a whole top-level member such as the set of tensors); anything else is
+dtype, the shape of a tensor with no elements (no chunk holds anything to contradict it), or a
+whole top-level member such as the set of tensors); anything else is
 ``silent-wrong-data`` (a load that returned other or fewer values without an error),
 ``foreign-exception:<type>``, ``memory-bound`` (more than the sandbox's memory), ``hang``,
 ``worker-crash`` or ``outside-access`` (a path outside the checkpoint, symlinks resolved, was
@@ -102,15 +104,20 @@ def _first_values(table: dict[str, Any]) -> list[tuple[tuple, int]]:
     return [(col, _get(table, col)[0][0]) for col in _columns(table)]
 
 
-def declares(mutation: tuple) -> bool:
-    """Whether ``mutation`` changes what the checkpoint declares, rather than how it is stored:
-    a stored value, a dtype, or a whole top-level member (the set of tensors, of values...).
-    Then a load may return other values than were saved, without an error."""
+def declares(mutation: tuple, doc: dict[str, Any]) -> bool:
+    """Whether ``mutation`` (of ``doc``) changes what the checkpoint declares, rather than how
+    it is stored: a stored value, a dtype, the shape of a tensor with no elements, or a whole
+    top-level member (the set of tensors, of values...). Then a load may return other values
+    than were saved, without an error."""
     kind, args = mutation[1], mutation[2:]
     if kind == "dtype":
         return True
+    if kind == "shape":
+        return 0 in doc["tensors"][args[0]]["shape"]
     if kind in ("value", "number"):
         path = args[0]
+        if len(path) >= 3 and path[0] == "tensors" and path[2] == "shape":
+            return 0 in doc["tensors"][path[1]]["shape"]
         return len(path) <= 1 or path[0] in ("objects", "pickled_objects") or path[-1] in ("dtype", "is_sharded")
     return False
 
@@ -167,7 +174,7 @@ def mutations(docs: list[dict[str, Any]], headers: list[dict[str, Any]]) -> st.S
         doc, files = docs[i], sorted(headers[i])
         paths = _paths(doc)
         kind = draw(st.sampled_from(["value", "number", "dtype", "overlap", "name", "symlink", "header", "bomb",
-                                     "run", "count", "shape", "file_table"]))
+                                     "run", "count", "runs-bomb", "shape", "file_table"]))
         if kind == "value":
             return (i, kind, draw(st.sampled_from(paths)), draw(_hostile()))
         if kind == "number":
@@ -187,6 +194,8 @@ def mutations(docs: list[dict[str, Any]], headers: list[dict[str, Any]]) -> st.S
             return (i, kind, key, col, run, draw(st.integers(0, 2)), draw(st.sampled_from(DELTAS)))
         if kind == "count":
             return (i, kind, draw(st.sampled_from(sorted(doc["tensors"]))), draw(st.sampled_from(DELTAS)))
+        if kind == "runs-bomb":
+            return (i, kind, draw(st.sampled_from(tables)), draw(st.sampled_from([2**20, 2**36, 2**61])))
         if kind == "shape":
             key = draw(st.sampled_from(sorted(k for k, t in doc["tensors"].items() if t["shape"])))
             dim = draw(st.integers(0, len(doc["tensors"][key]["shape"]) - 1))
@@ -254,6 +263,12 @@ def apply(mutation: tuple, doc: dict[str, Any], directory: str, outside: str) ->
     elif kind == "count":
         key, delta = args
         doc["tensors"][key]["table"]["count"] += delta
+    elif kind == "runs-bomb":
+        key, count = args
+        table = doc["tensors"][key]["table"]
+        for col, value in _first_values(table):
+            _get(table, col)[:] = [[value, 0, count]]
+        table["count"] = count
     elif kind == "shape":
         key, dim, delta = args
         doc["tensors"][key]["shape"][dim] += delta
@@ -312,7 +327,7 @@ def apply(mutation: tuple, doc: dict[str, Any], directory: str, outside: str) ->
         f.write(reseal(_dump(doc)))
 
 
-def outcome(res: Result, mutation: tuple) -> str:
+def outcome(res: Result, mutation: tuple, doc: dict[str, Any]) -> str:
     if res.outside:
         return "outside-access"
     if res.kind == "hang":
@@ -324,7 +339,7 @@ def outcome(res: Result, mutation: tuple) -> str:
             return "detected"
         return "memory-bound" if res.memory else f"foreign-exception:{res.error_type}"
     if res.value:  # the path returned values that differ from those saved
-        return "accepted-declared" if declares(mutation) else "silent-wrong-data"
+        return "accepted-declared" if declares(mutation, doc) else "silent-wrong-data"
     return "accepted"
 
 
@@ -360,7 +375,7 @@ def run_fuzz(trials: int, seed_: int, *, workdir: str | None = None, timeout: fl
             apply(mutation, docs[mutation[0]], directory, outside)
             for path in PATHS:
                 res = box.call(run_path, case, path, out, directory, roots=[directory, out, *truth_files(case)])
-                got = outcome(res, mutation)
+                got = outcome(res, mutation, docs[mutation[0]])
                 why = ", ".join(res.outside) if res.outside else f"{res.error_type}: {(res.message or res.value or '')[:300]}"
                 report.add(got, f"{_short(mutation)} -> {why}", path=f"{mutation[1]}/{path}")
             report.trials += 1
