@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 import shardsafe
 from shardsafe import api
+from shardsafe.format.file_index import SUMS_ENTRY
 
 from .distributed import run_ranks
 from .test_api import _assert_same, _build, _cfg, _train_step, full_state
@@ -601,11 +602,16 @@ def _read_with_safetensors(path, meta):
     covered = {k: torch.zeros(tm.shape, dtype=torch.int32) for k, tm in meta.tensors.items()}
     for file in sorted(meta.data_files()):
         with safe_open(os.path.join(path, file), framework="pt") as f:
-            for entry in f.keys():
+            entries = list(f.keys())
+            assert SUMS_ENTRY in entries, f"{file}: no {SUMS_ENTRY} entry"  # v3: the block digests, not a tensor
+            for entry in entries:
+                if entry == SUMS_ENTRY:
+                    continue
                 t = f.get_tensor(entry)
                 key, _, where = entry.partition("@")
-                if not where:
-                    whole[key].copy_(t)
+                if not where:  # the whole tensor; FSDP1 stores it flattened (v3 names a whole flat range as the box)
+                    assert t.shape == whole[key].shape or t.shape == (whole[key].numel(),), (entry, t.shape)
+                    whole[key].copy_(t.reshape(whole[key].shape))
                     covered[key] += 1
                     continue
                 offsets, _, start = where.partition("+")

@@ -174,12 +174,15 @@ def test_replicated_tensors_written_once_and_spread_over_ranks(tmp_path):
     path = str(tmp_path / "ckpt")
     results = run_ranks(4, _save_replicated, path, 8, (256, 256))
     assert [n for n, _ in results] == [1, 1, 1, 1]  # every rank wrote a file
-    meta = shardsafe.StorageMetadata.model_validate(results[0][1])
+    assert shardsafe.StorageMetadata.model_validate(results[0][1]).format_version == 3
+    meta = Checkpointer().get_metadata(path)  # bound: chunks() reads where each chunk is from the files
     for i in range(8):  # each small replicated tensor stored exactly once
-        assert sum(len(v) for v in meta.tensors[f"r{i}"].shard_spec_per_file.values()) == 1
+        assert meta.tensors[f"r{i}"].chunk_count() == 1
+        assert len(list(meta.tensors[f"r{i}"].chunks())) == 1
     big = meta.tensors["big"]  # 256 KiB > 64 KiB split threshold: split over the 4 replicas
-    assert len(big.shard_spec_per_file) == 4
-    assert sorted(s.global_offset for f in big.shard_spec_per_file.values() for s in f) == [(0, 0), (64, 0), (128, 0), (192, 0)]
+    assert big.chunk_count() == 4
+    assert len({f for f, _ in big.chunks()}) == 4
+    assert sorted(s.global_offset for _, s in big.chunks()) == [(0, 0), (64, 0), (128, 0), (192, 0)]
     sizes = [os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")]
     assert max(sizes) < 2 * min(sizes)  # balanced: 8 x 8 KiB + 256 KiB over 4 ranks
     out = Checkpointer().unshard(path)

@@ -1,13 +1,19 @@
 """Corruption campaign: damage one byte (or the tail) of a checkpoint, then read it every way there is.
 
 Each trial copies one of the saved checkpoints (:func:`~tests.reliability.states.build_cases`),
-and either flips one random byte of a chunk's data, of a safetensors header or of
-``metadata.json``, or truncates one of those files at a random length. Then every read path of
+and either flips one random byte of a chunk's data, of a safetensors header, of a data file's
+``__shardsafe_checksums__`` entry (format v3: the digests of its chunks' blocks) or of
+``metadata.json``, or truncates one of those files at a random length. Every byte of a v3
+checkpoint is live (the entries are back to back, the header and the checksum entry have digests
+in ``metadata.json``), so ``verify`` must find every flip. Then every read path of
 the case runs in the sandbox (same-layout loads, resharding loads, ``unshard``,
 ``unshard_to_safetensors``, the model/optimizer functions, ``verify``) and is classified:
 
 - ``detected``: a ``CheckpointError`` whose message names the damaged file and, when the damage
-  lies in chunks' data, one of their keys; else ``error-without-file`` / ``error-without-key``;
+  lies in chunks' data, one of their keys; else ``error-without-file`` / ``error-without-key``.
+  A truncated v3 data file always loses (part of) its checksum entry, the last one, which a
+  reader reads and checks whole before it uses any chunk of the file: that is damage to the file
+  as a whole, and its error need name only the file;
 - ``correct``: no error and every value bit-exact (the path never returned the damaged byte);
   not allowed for ``verify``, which must find any change to any file (``verify-missed``);
 - ``silent-wrong-data``: no error, and a value differs from what was saved;
@@ -16,12 +22,14 @@ the case runs in the sandbox (same-layout loads, resharding loads, ``unshard``,
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 from dataclasses import dataclass
 
 from shardsafe import Checkpointer
+from shardsafe.format.file_index import SUMS_ENTRY
 
 from .paths import PATHS, run_path
 from .report import Report
@@ -31,8 +39,8 @@ from .states import Case, build_cases, truth_files
 __all__ = ["Damage", "classify", "run_corrupt"]
 
 META = "metadata.json"
-KINDS = ("data", "header", "metadata", "truncate")
-WEIGHTS = (40, 20, 25, 15)
+KINDS = ("data", "header", "sums", "metadata", "truncate")
+WEIGHTS = (35, 15, 15, 20, 15)
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class _Layout:
 
     sizes: dict[str, int]
     data_start: dict[str, int]  # data file -> first byte after its header
+    sums: dict[str, tuple[int, int]]  # data file -> absolute byte range of its checksum entry (v3; absent before)
     chunks: dict[str, list[tuple[int, int, str]]]  # data file -> (start, end, key)
 
 
@@ -66,11 +75,16 @@ def _layout(case: Case) -> _Layout:
         for file, spec in t.chunks():
             chunks.setdefault(file, []).append((spec.byte_range[0], spec.byte_range[1], key))
     sizes = {name: os.path.getsize(os.path.join(case.dir, name)) for name in [META, *chunks]}
-    starts = {}
+    starts, sums = {}, {}
     for file in chunks:
         with open(os.path.join(case.dir, file), "rb") as f:
-            starts[file] = 8 + int.from_bytes(f.read(8), "little")
-    return _Layout(sizes, starts, {f: sorted(c) for f, c in sorted(chunks.items())})
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        starts[file] = 8 + n
+        if SUMS_ENTRY in header:
+            begin, end = header[SUMS_ENTRY]["data_offsets"]
+            sums[file] = (8 + n + begin, 8 + n + end)
+    return _Layout(sizes, starts, sums, {f: sorted(c) for f, c in sorted(chunks.items())})
 
 
 def draw_damage(rng: random.Random, lay: _Layout) -> Damage:
@@ -84,11 +98,15 @@ def draw_damage(rng: random.Random, lay: _Layout) -> Damage:
     if kind == "header":
         file = rng.choice(files)
         return Damage(kind, file, rng.randrange(0, lay.data_start[file]), (), xor)
+    if kind == "sums":
+        file = rng.choice([f for f in files if lay.sums.get(f, (0, 0))[1] > lay.sums.get(f, (0, 0))[0]])
+        return Damage(kind, file, rng.randrange(*lay.sums[file]), (), xor)
     if kind == "metadata":
         return Damage(kind, META, rng.randrange(0, lay.sizes[META]), (), xor)
     file = rng.choice([META, *files])
     cut = rng.randrange(0, lay.sizes[file])
-    cut_data = file != META and cut >= lay.data_start[file]
+    # v3: the checksum entry is last, so any cut damages it and the file fails as a whole
+    cut_data = file != META and cut >= lay.data_start[file] and file not in lay.sums
     keys = tuple(sorted({k for s, e, k in lay.chunks.get(file, []) if e > cut})) if cut_data else ()
     return Damage(kind, file, cut, keys)
 

@@ -5,7 +5,13 @@ Hypothesis draws mutations of a valid checkpoint (the ``sharded`` and ``single``
 - any JSON value of ``metadata.json`` replaced by a hostile one: huge, negative, ``2**63``,
   float, NaN, string numbers, wrong types, containers, nesting 100000 deep;
 - numbers where numbers go (shapes, offsets, byte ranges, flat ranges, versions, checksums);
-- bad dtypes; overlapping chunks (a chunk repeated, or moved by one);
+- bad dtypes; overlapping chunks (a chunk repeated, or moved by one, a flattened range moved);
+- format v3 chunk tables: a run's ``first``, ``step`` or ``count`` changed by a little or a
+  lot, in any column (file indices, offsets, lengths, flattened starts and stops), a wrong
+  ``count``, a tensor's shape changed by one in a dimension, every column one run of a huge
+  count (a few bytes of JSON that would decode to billions of chunks);
+- the v3 file table: two entries swapped (so chunks name the wrong file), digests or sizes of
+  another entry, an entry dropped or repeated, ``size`` or ``header_bytes`` off by a little;
 - data file names that leave the directory (``../x``, ``/etc/passwd``, ``a/b``, ...), with the
   file really moved there when it can be;
 - a data file or ``metadata.json`` replaced by a symlink to a valid copy outside the directory;
@@ -14,10 +20,15 @@ Hypothesis draws mutations of a valid checkpoint (the ``sharded`` and ``single``
 
 Every public read path then runs in the sandbox (:mod:`tests.reliability.sandbox`): the
 metadata read, a same-layout load, ``unshard``, ``unshard_to_safetensors`` and ``verify``. The
-only acceptable outcomes are ``detected`` (a ``CheckpointError``) and ``accepted`` (no error);
-anything else is ``foreign-exception:<type>``, ``memory-bound`` (more than the sandbox's
-memory), ``hang``, ``worker-crash`` or ``outside-access`` (a path outside the checkpoint,
-symlinks resolved, was opened or listed).
+only acceptable outcomes are ``detected`` (a ``CheckpointError``), ``accepted`` (no error, and
+every value the path returned bit-exact) and ``accepted-declared`` (no error, and the values
+differ only because the mutation changed what ``metadata.json`` declares: a stored value, a
+dtype, the shape of a tensor with no elements (no chunk holds anything to contradict it), or a
+whole top-level member such as the set of tensors); anything else is
+``silent-wrong-data`` (a load that returned other or fewer values without an error),
+``foreign-exception:<type>``, ``memory-bound`` (more than the sandbox's memory), ``hang``,
+``worker-crash`` or ``outside-access`` (a path outside the checkpoint, symlinks resolved, was
+opened or listed).
 """
 
 from __future__ import annotations
@@ -53,6 +64,8 @@ NAMES = ["../x.safetensors", "/etc/passwd", "a/b.safetensors", "..", ".", "", ME
          "shard.safetensors/.", "OUTSIDE"]  # OUTSIDE: ../outside/<the file>, a valid copy out there
 DTYPES = ["float33", "", "torch.float32", "F32", "float", "object", "uint1", "complex128", "qint8", "bool ", None, 4]
 BOMBS = [2**60, 2**64 - 1, 2**63, 2**32, 100_000_001, 0, 1, 7]
+DELTAS = [1, -1, 2, -2, 7, -7, 2**31, -(2**31), 2**62, -(2**62), 2**63]  # added to a table's integer
+TABLE_OPS = ["swap", "swap-digests", "drop", "repeat", "reverse", "size", "header_bytes"]
 
 
 def reseal(raw: bytes) -> bytes:
@@ -62,17 +75,51 @@ def reseal(raw: bytes) -> bytes:
 
 
 def _match_files_table(doc: dict[str, Any], directory: str, file: str) -> None:
-    """Record a rewritten data file's size and header digest in the metadata, as a crafted
-    checkpoint would, so that the header itself (not its digest) is what a reader must refuse."""
-    if not isinstance(doc.get("files"), dict) or file not in doc["files"]:
+    """Record a rewritten data file's size, header length and header digest in the metadata's
+    file table, as a crafted checkpoint would, so that the header itself (not its digest) is
+    what a reader must refuse."""
+    entry = next((e for e in doc["file_table"] if e["name"] == file), None)
+    if entry is None:
         return
     with open(os.path.join(directory, file), "rb") as f:
         data = f.read()
     (n,) = struct.unpack("<Q", data[:8])
-    entry = {"size": len(data), "header": doc["files"][file]["header"]}
+    entry["size"] = len(data)
     if 8 + n <= len(data):
+        entry["header_bytes"] = 8 + n
         entry["header"] = f"{xxhash.xxh3_64_intdigest(data[: 8 + n]):016x}"
-    doc["files"][file] = entry
+
+
+def _columns(table: dict[str, Any]) -> list[tuple]:
+    """The paths, inside a v3 chunk table, of its columns of runs."""
+    cols: list[tuple] = [("file",)]
+    cols += [("offset", d) for d in range(len(table["offset"]))]
+    cols += [("length", d) for d in range(len(table["length"]))]
+    cols += [("flat", j) for j in range(2)] if "flat" in table else []
+    return cols
+
+
+def _first_values(table: dict[str, Any]) -> list[tuple[tuple, int]]:
+    """Each column's path and its first value (chunk 0's)."""
+    return [(col, _get(table, col)[0][0]) for col in _columns(table)]
+
+
+def declares(mutation: tuple, doc: dict[str, Any]) -> bool:
+    """Whether ``mutation`` (of ``doc``) changes what the checkpoint declares, rather than how
+    it is stored: a stored value, a dtype, the shape of a tensor with no elements, or a whole
+    top-level member (the set of tensors, of values...). Then a load may return other values
+    than were saved, without an error."""
+    kind, args = mutation[1], mutation[2:]
+    if kind == "dtype":
+        return True
+    if kind == "shape":
+        return 0 in doc["tensors"][args[0]]["shape"]
+    if kind in ("value", "number"):
+        path = args[0]
+        if len(path) >= 3 and path[0] == "tensors" and path[2] == "shape":
+            return 0 in doc["tensors"][path[1]]["shape"]
+        return len(path) <= 1 or path[0] in ("objects", "pickled_objects") or path[-1] in ("dtype", "is_sharded")
+    return False
 
 
 def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
@@ -94,6 +141,14 @@ def _get(doc: Any, path: tuple) -> Any:
 
 def _set(doc: Any, path: tuple, value: Any) -> None:
     _get(doc, path[:-1])[path[-1]] = value
+
+
+def _split_first(runs: list[list[int]]) -> list[int]:
+    """Chunk 0's value alone as the first run of ``runs`` (split off a longer run), to change it."""
+    first, step, count = runs[0]
+    if count > 1:
+        runs[0:1] = [[first, 0, 1], [first + step, step, count - 1]]
+    return runs[0]
 
 
 def _dump(doc: Any, depth: int = 100_000) -> bytes:
@@ -118,7 +173,8 @@ def mutations(docs: list[dict[str, Any]], headers: list[dict[str, Any]]) -> st.S
         i = draw(st.integers(0, len(docs) - 1))
         doc, files = docs[i], sorted(headers[i])
         paths = _paths(doc)
-        kind = draw(st.sampled_from(["value", "number", "dtype", "overlap", "name", "symlink", "header", "bomb"]))
+        kind = draw(st.sampled_from(["value", "number", "dtype", "overlap", "name", "symlink", "header", "bomb",
+                                     "run", "count", "runs-bomb", "shape", "file_table"]))
         if kind == "value":
             return (i, kind, draw(st.sampled_from(paths)), draw(_hostile()))
         if kind == "number":
@@ -126,9 +182,27 @@ def mutations(docs: list[dict[str, Any]], headers: list[dict[str, Any]]) -> st.S
             return (i, kind, draw(st.sampled_from(ints)), draw(st.sampled_from(NUMBERS) | st.integers()))
         if kind == "dtype":
             return (i, kind, draw(st.sampled_from(sorted(doc["tensors"]))), draw(st.sampled_from(DTYPES)))
+        tables = sorted(k for k, t in doc["tensors"].items() if t["table"]["count"])
         if kind == "overlap":
-            key = draw(st.sampled_from(sorted(k for k, t in doc["tensors"].items() if t["shard_spec_per_file"])))
+            key = draw(st.sampled_from(tables))
             return (i, kind, key, draw(st.sampled_from(["repeat", "shift", "flat"])), draw(st.integers(-2, 2)))
+        if kind == "run":  # one number of one run of one column: first, step or count
+            key = draw(st.sampled_from(tables))
+            table = doc["tensors"][key]["table"]
+            col = draw(st.sampled_from(_columns(table)))
+            run = draw(st.integers(0, len(_get(table, col)) - 1))
+            return (i, kind, key, col, run, draw(st.integers(0, 2)), draw(st.sampled_from(DELTAS)))
+        if kind == "count":
+            return (i, kind, draw(st.sampled_from(sorted(doc["tensors"]))), draw(st.sampled_from(DELTAS)))
+        if kind == "runs-bomb":
+            return (i, kind, draw(st.sampled_from(tables)), draw(st.sampled_from([2**20, 2**36, 2**61])))
+        if kind == "shape":
+            key = draw(st.sampled_from(sorted(k for k, t in doc["tensors"].items() if t["shape"])))
+            dim = draw(st.integers(0, len(doc["tensors"][key]["shape"]) - 1))
+            return (i, kind, key, dim, draw(st.sampled_from([1, -1, 2, -2])))
+        if kind == "file_table":
+            return (i, kind, draw(st.sampled_from(TABLE_OPS)), draw(st.integers(0, len(doc["file_table"]) - 1)),
+                    draw(st.sampled_from([1, -1, 8, -8, 2**40])))
         if kind == "name":
             return (i, kind, draw(st.sampled_from(files)), draw(st.sampled_from(NAMES)))
         if kind == "symlink":
@@ -168,26 +242,61 @@ def apply(mutation: tuple, doc: dict[str, Any], directory: str, outside: str) ->
         _set(doc, args[0], args[1])
     elif kind == "dtype":
         doc["tensors"][args[0]]["dtype"] = args[1]
-    elif kind == "overlap":
+    elif kind == "overlap":  # chunk 0 stored twice, moved in dimension 0, or its flattened range moved
         key, how, delta = args
-        per_file = doc["tensors"][key]["shard_spec_per_file"]
-        file = sorted(per_file)[0]
-        spec = per_file[file][0]
+        table = doc["tensors"][key]["table"]
         if how == "repeat":
-            per_file[file].append(dict(spec))
-        elif how == "shift" and spec["global_offset"]:
-            spec["global_offset"][0] += delta or 1
+            for col, value in _first_values(table):
+                _get(table, col).append([value, 0, 1])
+            table["count"] += 1
+        elif how == "shift" and table["offset"]:
+            _split_first(table["offset"][0])[0] += delta or 1
+        elif "flat" in table:
+            _split_first(table["flat"][0])[0] += delta
+            _split_first(table["flat"][1])[0] += delta
         else:
-            lo, hi = spec["flattened_range"] or (0, 1)
-            spec["flattened_range"] = [lo + delta, hi + delta]
+            n = table["count"]
+            table["flat"] = [[[max(delta, 0), 0, n]], [[max(delta, 0) + 1, 0, n]]]
+    elif kind == "run":
+        key, col, run, field, delta = args
+        _get(doc["tensors"][key]["table"], col)[run][field] += delta
+    elif kind == "count":
+        key, delta = args
+        doc["tensors"][key]["table"]["count"] += delta
+    elif kind == "runs-bomb":
+        key, count = args
+        table = doc["tensors"][key]["table"]
+        for col, value in _first_values(table):
+            _get(table, col)[:] = [[value, 0, count]]
+        table["count"] = count
+    elif kind == "shape":
+        key, dim, delta = args
+        doc["tensors"][key]["shape"][dim] += delta
+    elif kind == "file_table":
+        op, at, delta = args
+        ft = doc["file_table"]
+        other = (at + 1) % len(ft)
+        if op == "swap":
+            ft[at], ft[other] = ft[other], ft[at]
+        elif op == "swap-digests":
+            for f in ("header", "sums"):
+                ft[at][f], ft[other][f] = ft[other][f], ft[at][f]
+        elif op == "drop":
+            del ft[at]
+        elif op == "repeat":
+            ft.append(dict(ft[at]))
+        elif op == "reverse":
+            ft.reverse()
+        else:
+            ft[at][op] += delta
     elif kind == "name":
         file, name = args
         if name == "OUTSIDE":
             shutil.copy(os.path.join(directory, file), os.path.join(outside, file))
             name = f"../{os.path.basename(outside)}/{file}"
-        for t in doc["tensors"].values():
-            if file in t["shard_spec_per_file"]:
-                t["shard_spec_per_file"][name] = t["shard_spec_per_file"].pop(file)
+        for entry in doc["file_table"]:
+            if entry["name"] == file:
+                entry["name"] = name
         target = os.path.normpath(os.path.join(directory, name)) if name and "\x00" not in name else ""
         if target.startswith(directory + os.sep) and not os.path.exists(target):  # move the file where it now says
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -218,7 +327,7 @@ def apply(mutation: tuple, doc: dict[str, Any], directory: str, outside: str) ->
         f.write(reseal(_dump(doc)))
 
 
-def outcome(res: Result) -> str:
+def outcome(res: Result, mutation: tuple, doc: dict[str, Any]) -> str:
     if res.outside:
         return "outside-access"
     if res.kind == "hang":
@@ -229,6 +338,8 @@ def outcome(res: Result) -> str:
         if res.checkpoint_error:
             return "detected"
         return "memory-bound" if res.memory else f"foreign-exception:{res.error_type}"
+    if res.value:  # the path returned values that differ from those saved
+        return "accepted-declared" if declares(mutation, doc) else "silent-wrong-data"
     return "accepted"
 
 
@@ -264,8 +375,8 @@ def run_fuzz(trials: int, seed_: int, *, workdir: str | None = None, timeout: fl
             apply(mutation, docs[mutation[0]], directory, outside)
             for path in PATHS:
                 res = box.call(run_path, case, path, out, directory, roots=[directory, out, *truth_files(case)])
-                got = outcome(res)
-                why = ", ".join(res.outside) if res.outside else f"{res.error_type}: {res.message[:300]}"
+                got = outcome(res, mutation, docs[mutation[0]])
+                why = ", ".join(res.outside) if res.outside else f"{res.error_type}: {(res.message or res.value or '')[:300]}"
                 report.add(got, f"{_short(mutation)} -> {why}", path=f"{mutation[1]}/{path}")
             report.trials += 1
             shutil.rmtree(base, ignore_errors=True)

@@ -115,15 +115,20 @@ class ChunkTable:
         return doc
 
     @classmethod
-    def from_json(cls, doc: Any, *, shape: tuple[int, ...], nfiles: int, what: str) -> ChunkTable:
+    def from_json(cls, doc: Any, *, shape: tuple[int, ...], nfiles: int, what: str, max_count: int = _LIMIT) -> ChunkTable:
         """Decode and check a table: every box inside ``shape``, non-empty, every flattened range
-        inside its box, every file index below ``nfiles``. Whether the chunks tile the tensor is
-        :meth:`check_tiling`'s."""
+        inside its box, every file index below ``nfiles``, at most ``max_count`` chunks (checked
+        before anything is decoded: a few runs can stand for any number of chunks). Whether the
+        chunks tile the tensor is :meth:`check_tiling`'s."""
         if type(doc) is not dict or set(doc) - {"count", "file", "offset", "length", "flat"} or not {"count", "file", "offset", "length"} <= set(doc):
             raise CorruptCheckpointError(f"{what}: a chunk table has the members count, file, offset, length and, optionally, flat")
         n = doc["count"]
         if type(n) is not int or not 0 <= n < _LIMIT:
             raise CorruptCheckpointError(f"{what}: count must be an integer >= 0, found {str(n)[:40]}")
+        if n > max_count:
+            raise CorruptCheckpointError(
+                f"{what}: count {n} is more chunks than the data files' headers can name ({max_count} left); the metadata is damaged"
+            )
         ndim = len(shape)
         for name in ("offset", "length"):
             if type(doc[name]) is not list or len(doc[name]) != ndim:

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["SUMS_ENTRY", "FileIndex", "Resolver", "entry_name"]
 
 SUMS_ENTRY = "__shardsafe_checksums__"
+MAX_HEADER = 100_000_000
+"""safetensors' own limit on a file's JSON header."""
+_PROBE_ABOVE = 1 << 20  # reads longer than this check that the file has their last byte first
 _RESERVED = ("__metadata__", SUMS_ENTRY)
 
 
@@ -64,8 +67,12 @@ class FileIndex:
         """Read and check the header and the checksum entry of the file ``info`` describes."""
         name = info.name
         where = f"{storage.url.rstrip('/')}/{name}"
-        head = bytearray(info.header_bytes)
-        _read(storage, name, 0, head, where)
+        if info.header_bytes > min(info.size, 8 + MAX_HEADER):
+            raise CorruptCheckpointError(
+                f"{where}: metadata.json says the header is {info.header_bytes} bytes, more than the file's {info.size} bytes "
+                f"or the {MAX_HEADER}-byte limit of a safetensors header; the metadata is damaged"
+            )
+        head = _read(storage, name, 0, info.header_bytes)
         got = file_digest(head)
         if got != info.header:
             raise CorruptCheckpointError(
@@ -107,8 +114,7 @@ class FileIndex:
             raise CorruptCheckpointError(
                 f"{where}: {SUMS_ENTRY!r} holds {s_end - s_begin} bytes, expected {blocks * size} for {blocks} block(s)"
             )
-        raw = bytearray(s_end - s_begin)
-        _read(storage, name, s_begin, raw, where)
+        raw = _read(storage, name, s_begin, s_end - s_begin)
         got = file_digest(raw)
         if got != info.sums:
             raise CorruptCheckpointError(
@@ -131,9 +137,16 @@ class FileIndex:
         return got
 
 
-def _read(storage: Storage, name: str, offset: int, buf: bytearray, where: str) -> None:
-    del where  # read_into names the file itself (CorruptCheckpointError when it is short)
+def _read(storage: Storage, name: str, offset: int, nbytes: int) -> bytearray:
+    """Bytes ``[offset, offset + nbytes)`` of file ``name``. The lengths come from metadata and
+    headers that may be hostile, so a long read first reads its last byte: a file that does not
+    have the bytes fails (``read_into`` raises ``CorruptCheckpointError`` naming it) before
+    memory for them is allocated."""
+    if nbytes > _PROBE_ABOVE:
+        storage.read_into(name, offset + nbytes - 1, [memoryview(bytearray(1))])
+    buf = bytearray(nbytes)
     storage.read_into(name, offset, [memoryview(buf)])
+    return buf
 
 
 class Resolver:

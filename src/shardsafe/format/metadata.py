@@ -46,6 +46,7 @@ _SELF_CHECKSUM = re.compile(rb',"metadata_checksum":"([0-9a-f]{16})"\}\Z')
 MAX_SIZE = 1 << 62
 """Bound on every size and position in the metadata: dims, element counts, bytes, byte offsets."""
 MAX_NDIM = 64
+_MIN_ENTRY_BYTES = 26  # the shortest header entry, '"a":{"data_offsets":[0,0]}'
 _DATA_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
 
 
@@ -514,6 +515,9 @@ class StorageMetadata(BaseModel):
             seen: set[str] = set()
             twice = sorted({n for n in names if n in seen or seen.add(n)})[:5]
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: the file table names {', '.join(map(repr, twice))} twice")
+        # every chunk is an entry of its file's header, and an entry takes at least _MIN_ENTRY_BYTES
+        # of it: this bounds what the tables may decode to by what the headers hold
+        budget = sum(f.header_bytes for f in self.file_table) // _MIN_ENTRY_BYTES
         for key, t in self.tensors.items():
             if t.table is None or t.shard_spec_per_file is not None:
                 raise CorruptCheckpointError(
@@ -521,7 +525,8 @@ class StorageMetadata(BaseModel):
                     "'shard_spec_per_file'"
                 )
             _check_shape(where, key, t.shape, t.torch_dtype.itemsize)
-            table = ChunkTable.from_json(t.table, shape=t.shape, nfiles=len(names), what=f"{where}: tensor {key!r}")
+            table = ChunkTable.from_json(t.table, shape=t.shape, nfiles=len(names), what=f"{where}: tensor {key!r}", max_count=budget)
+            budget -= len(table)
             if not table.grid_cells(t.shape):  # the rule is cheap for a grid; anything else, chunk by chunk
                 pieces = [table.chunk(i)[1:] for i in range(len(table))]
                 try:
