@@ -9,13 +9,16 @@ against plain-torch ground truth, with both exchange algorithms, at the saved la
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import struct
 import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardsafe.format.file_index import SUMS_ENTRY
 from shardsafe.knobs import KNOBS
 from shardsafe.megatron import ShardedTensor, load, save
 from shardsafe.megatron.strategies import (
@@ -32,17 +35,32 @@ _KNOBS = dataclasses.replace(KNOBS, coalesce_gap_bytes=0)
 
 
 class CountingStorage:
-    """A local checkpoint directory that counts the bytes read from its data files."""
+    """A local checkpoint directory that counts the bytes read from its data files' chunks (not
+    their headers and checksum entries, which a reader reads once per file it needs)."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self.inner = open_storage(path)
         self.data_bytes = 0
         self._lock = threading.Lock()
+        self._chunks: dict[str, tuple[int, int]] = {}
+
+    def _chunk_span(self, name: str) -> tuple[int, int]:
+        """Where the file's chunks are: after the header, before the checksum entry."""
+        if name not in self._chunks:
+            with open(os.path.join(self.path, name), "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            sums = header.get(SUMS_ENTRY, {"data_offsets": [os.path.getsize(os.path.join(self.path, name)) - 8 - n] * 2})
+            self._chunks[name] = (8 + n, 8 + n + sums["data_offsets"][0])
+        return self._chunks[name]
 
     def read_into(self, name: str, offset: int, buffers: list) -> None:
         self.inner.read_into(name, offset, buffers)
-        with self._lock:
-            self.data_bytes += sum(memoryview(b).nbytes for b in buffers)
+        start, end = self._chunk_span(name)
+        if start <= offset < end:
+            with self._lock:
+                self.data_bytes += sum(memoryview(b).nbytes for b in buffers)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -166,7 +184,7 @@ def test_a_damaged_chunk_one_rank_reads_raises_on_every_rank(tmp_path):
     path = str(tmp_path / "c")
     run_ranks(2, _save_rows, path)
     meta = Checkpointer().get_metadata(path, no_dist=True)
-    ((file, spec),) = [(f, s) for f, specs in meta.tensors["a"].shard_spec_per_file.items() for s in specs if s.global_offset == (1, 0)]
+    ((file, spec),) = [(f, s) for f, s in meta.tensors["a"].chunks() if s.global_offset == (1, 0)]
     with open(os.path.join(path, file), "r+b") as f:  # one byte of rank 1's row
         f.seek(spec.byte_range[0])
         byte = f.read(1)

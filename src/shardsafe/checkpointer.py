@@ -223,8 +223,12 @@ class Checkpointer:
                 + (f", such as {stored[:5]}" if stored else "")
             )
         if meta.resolver is not None:  # format v3: the headers of every file holding these tensors, read at once
-            tables = [meta.tensors[key]._table for key in selected.values()]
-            meta.resolver.prefetch({f for t in tables if t is not None for f in t.files.tolist()}, self.knobs.io_threads)
+            holders: dict[int, str] = {}
+            for key in selected.values():
+                table = meta.tensors[key]._table
+                for f in table.files.tolist() if table is not None else ():
+                    holders.setdefault(f, key)
+            meta.resolver.prefetch(holders, self.knobs.io_threads)
         check_files_hold(storage, ((key, meta.tensors[key]) for key in selected.values()))  # before allocating
         started = time.monotonic()
         with Reader(storage, self.knobs, num_threads=num_threads) as reader:

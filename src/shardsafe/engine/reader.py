@@ -88,14 +88,13 @@ class Reader:
     def _read_headers(self, pairs: list[tuple[TensorStorageMetadata, LocalTensor]]) -> None:
         """Format v3: read the headers of every file the targets need, on the pool, before
         planning reads tensor by tensor (which would read them one at a time)."""
-        needed: set[int] = set()
+        needed: dict[int, str] = {}  # file index -> a key stored in it
         resolver = None
         for meta, target in pairs:
-            got = meta.files_overlapping((off, lens) for off, lens, _ in target.pieces)
-            if got:
-                needed |= got
+            for f in meta.files_overlapping((off, lens) for off, lens, _ in target.pieces):
+                needed.setdefault(f, meta._key)
                 resolver = meta._doc.resolver
-        if resolver is not None and len(needed) > 1:
+        if resolver is not None:
             resolver.prefetch(needed, self.threads)
 
     def load_planned(

@@ -13,7 +13,6 @@ header and that entry of only the files it needs, and checks each against the di
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from math import prod
 from typing import TYPE_CHECKING, Any
@@ -168,12 +167,20 @@ class Resolver:
                 got = self._files.setdefault(index, got)
         return got
 
-    def prefetch(self, indices: Iterable[int], threads: int) -> None:
-        """Read the files ``indices`` not read yet, ``threads`` at a time."""
-        todo = sorted(set(indices) - self._files.keys())
+    def prefetch(self, keys: dict[int, str], threads: int) -> None:
+        """Read the files ``keys`` names (file index -> a key stored in it, for errors) not read
+        yet, ``threads`` at a time."""
+        todo = sorted(keys.keys() - self._files.keys())
+
+        def one(i: int) -> FileIndex:
+            try:
+                return self.file(i)
+            except CorruptCheckpointError as e:
+                raise type(e)(f"key {keys[i]!r}: {e}") from None
+
         if len(todo) <= 1 or threads <= 1:
             for i in todo:
-                self.file(i)
+                one(i)
             return
         with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="shardsafe-headers") as pool:
-            list(pool.map(self.file, todo))
+            list(pool.map(one, todo))
