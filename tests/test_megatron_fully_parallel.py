@@ -46,7 +46,10 @@ class CountingStorage:
         self._chunks: dict[str, tuple[int, int]] = {}
 
     def _chunk_span(self, name: str) -> tuple[int, int]:
-        """Where the file's chunks are: after the header, before the checksum entry."""
+        """Where the file's chunks are: after the header, before the checksum entry (a file of
+        another checkpoint format, such as DCP's .distcp: all of it)."""
+        if not name.endswith(".safetensors"):
+            return 0, 1 << 62
         if name not in self._chunks:
             with open(os.path.join(self.path, name), "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
