@@ -79,3 +79,17 @@ def test_chunk_count_beyond_what_the_headers_can_name_is_refused_before_decoding
     _write_meta(path, doc)
     with pytest.raises(CorruptCheckpointError, match=f"tensor 'x': count {n} is more chunks than the data files' headers"):
         Checkpointer().get_metadata(path, no_dist=True)
+
+
+def test_tensors_sharing_one_table_count_against_the_same_budget(tmp_path):
+    # identical tables are decoded once; each tensor that uses one still spends its chunks
+    path = str(tmp_path / "ckpt")
+    doc, _ = _save(path)
+    info = doc["file_table"][0]
+    n = info["header_bytes"] // 26 // 2 + 1  # one such table fits what the header can name, two do not
+    table = {"count": n, "file": [[0, 0, n]], "offset": [[[0, 1, n]]], "length": [[[1, 0, n]]]}
+    for key in ("x", "y"):
+        doc["tensors"][key] = {"shape": [n], "dtype": "float32", "is_sharded": True, "table": table}
+    _write_meta(path, doc)
+    with pytest.raises(CorruptCheckpointError, match=rf"tensor 'y': count {n} is more chunks than the data files' headers can name \(\d+ left\)"):
+        Checkpointer().get_metadata(path, no_dist=True)

@@ -11,6 +11,7 @@ itself (``metadata_checksum``), so that no byte of a checkpoint goes unchecked.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Iterator
 from math import prod
@@ -518,6 +519,7 @@ class StorageMetadata(BaseModel):
         # every chunk is an entry of its file's header, and an entry takes at least _MIN_ENTRY_BYTES
         # of it: this bounds what the tables may decode to by what the headers hold
         budget = sum(f.header_bytes for f in self.file_table) // _MIN_ENTRY_BYTES
+        checked: dict[tuple[tuple[int, ...], str], ChunkTable] = {}
         for key, t in self.tensors.items():
             if t.table is None or t.shard_spec_per_file is not None:
                 raise CorruptCheckpointError(
@@ -525,14 +527,25 @@ class StorageMetadata(BaseModel):
                     "'shard_spec_per_file'"
                 )
             _check_shape(where, key, t.shape, t.torch_dtype.itemsize)
-            table = ChunkTable.from_json(t.table, shape=t.shape, nfiles=len(names), what=f"{where}: tensor {key!r}", max_count=budget)
+            # the tensors of a model share a few layouts: a table is decoded and checked once per
+            # (shape, table), and its arrays are shared (never written to)
+            same = (t.shape, json.dumps(t.table, separators=(",", ":")))
+            table = checked.get(same)
+            if table is None:
+                table = ChunkTable.from_json(t.table, shape=t.shape, nfiles=len(names), what=f"{where}: tensor {key!r}", max_count=budget)
+                if not table.grid_cells(t.shape):  # the rule is cheap for a grid; anything else, chunk by chunk
+                    pieces = [table.chunk(i)[1:] for i in range(len(table))]
+                    try:
+                        check_tiling(key, t.shape, pieces)
+                    except Exception as e:
+                        raise CorruptCheckpointError(f"{where}: {e}") from None
+                checked[same] = table
+            elif len(table) > budget:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {key!r}: count {len(table)} is more chunks than the data files' headers can name "
+                    f"({budget} left); the metadata is damaged"
+                )
             budget -= len(table)
-            if not table.grid_cells(t.shape):  # the rule is cheap for a grid; anything else, chunk by chunk
-                pieces = [table.chunk(i)[1:] for i in range(len(table))]
-                try:
-                    check_tiling(key, t.shape, pieces)
-                except Exception as e:
-                    raise CorruptCheckpointError(f"{where}: {e}") from None
             t._table = table
 
     def _check_version_fields(self, where: str) -> None:
