@@ -109,7 +109,7 @@ def test_a_converted_checkpoint_stores_what_shardsafe_megatron_save_stores(conve
     assert a.objects == b.objects  # the common state, the config, each ShardedObject: the same JSON
     assert {k: (t.shape, t.dtype) for k, t in a.tensors.items()} == {k: (t.shape, t.dtype) for k, t in b.tensors.items()}
     # the flattened optimizer state stays flattened ranges of its one box, as Megatron cut it
-    specs = sorted((s.global_offset, s.local_shape, s.flattened_range) for per_file in a.tensors["opt"].shard_spec_per_file.values() for s in per_file)
+    specs = sorted((s.global_offset, s.local_shape, s.flattened_range) for _, s in a.tensors["opt"].chunks())
     assert specs == [((0, 0), (3, 4), (0, 5)), ((0, 0), (3, 4), (5, 12))]
 
 

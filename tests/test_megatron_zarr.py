@@ -106,7 +106,7 @@ def test_a_zarr_checkpoint_loads_into_another_layout_on_two_ranks():
 def test_a_zarr_checkpoint_converts_into_one_that_loads_the_same(tmp_path):
     dst = str(tmp_path / "converted")
     meta = convert_megatron(ZARR_DIR, dst, progress=False)
-    assert len(meta.files) == 1 and sorted(meta.objects) == ["megatron:common", "megatron:config", "rng/shard_0_2", "rng/shard_1_2"]
+    assert meta.format_version == 3 and len(meta.file_table) == 1 and sorted(meta.objects) == ["megatron:common", "megatron:config", "rng/shard_0_2", "rng/shard_1_2"]
     assert verify(dst).ok
     _check_whole(load(_whole_request(), dst, validate_access_integrity=False))
     assert run_ranks(2, _reshard, dst)[0] == {"w": True, "layers": True, "b": True, "opt": True, "rng": 1, "iteration": 7}

@@ -13,23 +13,21 @@ from __future__ import annotations
 import logging
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from math import prod
 from typing import Any
 
+import torch
+
 from .._args import check_bool
-from ..engine.buffers import WriteBehind, byte_view
-from ..engine.commit import CommitUnknownError, committed_version, put_metadata, sweep
+from ..engine.commit import committed_version
 from ..engine.objects import encode_tagged
-from ..errors import CheckpointExistsError, CorruptCheckpointError, ShardingError, StorageError
-from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
-from ..format.dtypes import SAFETENSORS_CODE, dtype_name
-from ..format.metadata import ChecksumConfig, DataFileInfo, StorageMetadata, TensorShardSpec, TensorStorageMetadata
-from ..format.safetensors_file import FileEntry, layout_file
+from ..engine.rewrite import Chunk, write_checkpoint
+from ..errors import CheckpointExistsError, CorruptCheckpointError, ShardingError
+from ..format.dtypes import dtype_name
+from ..format.metadata import StorageMetadata
 from ..knobs import KNOBS, Knobs
 from ..planning.geometry import check_tiling
-from ..planning.save_plan import _entry_name, data_file_name
 from ..storage import Location, open_storage
 from . import dcp_format
 
@@ -82,9 +80,8 @@ def convert(
     if lightning is not None:  # a Lightning sharded folder: its loop state kept as shardsafe.lightning keeps it
         as_json[_lightning_meta_key(values, ckpt.where)] = _encode_lightning_meta(lightning, source.url, allow_pickle)
 
-    # every chunk's place in the new files, before anything is written
-    save_id = uuid.uuid4().hex[:12]
-    by_file: dict[str, list[tuple[str, tuple[int, ...], tuple[int, ...], dcp_format.DcpItem]]] = {}
+    # every chunk's place in the new files, before anything is written: one file per .distcp file, in its order
+    by_file: dict[str, list[Chunk]] = {}
     for key, (dtype, shape, chunks) in ckpt.tensors.items():
         dtype_name(dtype, key=key)
         try:
@@ -93,70 +90,23 @@ def convert(
             raise CorruptCheckpointError(f"{ckpt.where}: {e}") from None
         for off, lens, loc in chunks:
             if prod(lens):
-                by_file.setdefault(loc.file, []).append((key, off, lens, loc))
-    plans = []
-    for i, source_file in enumerate(sorted(by_file)):
-        chunks = sorted(by_file[source_file], key=lambda c: c[3].offset)  # read each source file front to back
-        used: set[str] = set()
-        entries = []
-        for key, off, lens, _ in chunks:
-            dtype, shape, _ = ckpt.tensors[key]
-            entries.append(FileEntry(_entry_name(key, shape, off, lens, None, used), SAFETENSORS_CODE[dtype], lens, prod(lens) * dtype.itemsize))
-        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "2"})
-        plans.append((data_file_name(i, save_id), chunks, entries, layout))
+                by_file.setdefault(loc.file, []).append(Chunk(key, tuple(off), tuple(lens), None, loc))
+    files = [sorted(by_file[f], key=lambda c: c.source.offset) for f in sorted(by_file)]  # read each source file front to back
+    total = sum(prod(c.lengths) * ckpt.tensors[c.key][0].itemsize for chunks in files for c in chunks)
 
-    total = sum(e.nbytes for _, _, entries, _ in plans for e in entries)
-    report = _progress(progress, total, out.url)
-    cblock = knobs.checksum_block_bytes
-    specs: dict[str, dict[str, list[TensorShardSpec]]] = {key: {} for key in ckpt.tensors}
-    files: dict[str, DataFileInfo] = {}
-    written: list[str] = []
-    done = 0
+    def load(c: Chunk) -> torch.Tensor:
+        return dcp_format.load_tensor(dcp_format.read_item(source, c.source), c.source, ckpt.tensors[c.key][0], c.lengths, ckpt.where)
+
     try:
-        for name, chunks, entries, layout in plans:
-            written.append(name)
-            with out.write_file(name) as raw_out, WriteBehind(raw_out, depth=1) as w:  # one chunk written while the next loads
-                w.write(memoryview(layout.header))
-                for (key, off, lens, loc), entry, byte_range in zip(chunks, entries, layout.byte_ranges):
-                    dtype = ckpt.tensors[key][0]
-                    t = dcp_format.load_tensor(dcp_format.read_item(source, loc), loc, dtype, lens, ckpt.where).contiguous()
-                    view = byte_view(t)
-                    digests: list[int] = []
-                    digest_blocks(view, cblock, digests)
-                    w.write(view)
-                    del t, view
-                    specs[key].setdefault(name, []).append(
-                        TensorShardSpec(global_offset=off, local_shape=lens, name=entry.name, byte_range=byte_range, checksums=encode_digests(digests))
-                    )
-                    done += entry.nbytes
-                    report(done)
-            files[name] = DataFileInfo(size=layout.size, header=file_digest(layout.header))
-        tensors = {}
-        for key, (dtype, shape, chunks) in ckpt.tensors.items():
-            whole = len(chunks) == 1 and chunks[0][1] == shape
-            tensors[key] = TensorStorageMetadata(shape=shape, dtype=dtype_name(dtype), is_sharded=not whole, shard_spec_per_file=specs[key])
-        meta = StorageMetadata(
-            format_version=2,  # laid out as format v2: chunk places and checksums in metadata.json
-            checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=cblock),
-            files=files,
-            tensors=tensors,
-            objects=as_json,
-            pickled_objects=pickled,
+        meta = write_checkpoint(
+            out, files, {key: (dtype, tuple(shape)) for key, (dtype, shape, _) in ckpt.tensors.items()}, load,
+            objects=as_json, pickled=pickled, listed=listed, seen=seen, overwrite=overwrite, knobs=knobs,
+            report=_progress(progress, total, out.url), where=ckpt.where,
         )
-        put_metadata(out, meta.to_json(), seen=seen, save_overwrite=overwrite)
-    except CommitUnknownError:
-        raise
-    except BaseException:
-        for name in written:
-            try:
-                out.delete(name)
-            except StorageError as e:
-                log.warning("%s: removing a data file of a failed conversion failed: %s", out.url, e)
-        raise
     finally:
         source.close()
-    sweep(out, listed, keep=meta.data_files())
     out.close()
+    tensors = meta.tensors
     log.info("%s: converted %d tensors, %d values, %d bytes from %s", out.url, len(tensors), len(values), total, ckpt.where)
     return meta
 

@@ -20,7 +20,6 @@ committed last, by the same compare-and-swap as a save.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict
 from math import prod
@@ -29,16 +28,13 @@ from typing import Any
 from .._args import check_bool
 from ..dcp import dcp_format
 from ..dcp.convert import _progress
-from ..engine.buffers import WriteBehind, byte_view
-from ..engine.commit import CommitUnknownError, committed_version, put_metadata, sweep
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, ShardingError, StorageError
-from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
-from ..format.dtypes import SAFETENSORS_CODE, dtype_name
-from ..format.metadata import ChecksumConfig, DataFileInfo, StorageMetadata, TensorShardSpec, TensorStorageMetadata
-from ..format.safetensors_file import FileEntry, layout_file
+from ..engine.commit import committed_version
+from ..engine.rewrite import Chunk, write_checkpoint
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, ShardingError
+from ..format.dtypes import dtype_name
+from ..format.metadata import StorageMetadata
 from ..knobs import KNOBS, Knobs
 from ..planning.geometry import check_tiling
-from ..planning.save_plan import _entry_name, data_file_name
 from ..storage import Location, Storage, open_storage
 from ._values import encode_value
 from .core import CONFIG_KEY, SHARDSAFE_BACKEND, CheckpointingConfig, CheckpointingException, maybe_load_config
@@ -113,8 +109,7 @@ def _convert(
 
     # every chunk's place in the new files, before anything is written: (key, offset, box, flat range, item).
     # A torch_dist chunk goes into the file for its .distcp file, in the order it is stored there; zarr's all go into one.
-    save_id = uuid.uuid4().hex[:12]
-    by_file: dict[str, list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]] = {}
+    by_file: dict[str, list[Chunk]] = {}
     for key, stored in view.tensors.items():
         dtype_name(stored.torch_dtype, key=key)
         pieces = view.pieces(key)
@@ -123,69 +118,20 @@ def _convert(
         except ShardingError as e:
             raise CorruptCheckpointError(f"{view.where}: {e}") from None
         for off, lens, flat, item in pieces:
-            by_file.setdefault(getattr(item, "file", ""), []).append((key, off, lens, flat, item))
-    plans = []
-    for i, source_file in enumerate(sorted(by_file)):
-        chunks = sorted(by_file[source_file], key=lambda c: getattr(c[4], "offset", 0))  # read each source file front to back
-        used: set[str] = set()
-        entries = []
-        for key, off, lens, flat, _ in chunks:
-            stored = view.tensors[key]
-            in_file = lens if flat is None else (flat[1] - flat[0],)
-            name = _entry_name(key, stored.shape, off, lens, flat, used)
-            entries.append(FileEntry(name, SAFETENSORS_CODE[stored.torch_dtype], in_file, prod(in_file) * stored.torch_dtype.itemsize))
-        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "2"})
-        plans.append((data_file_name(i, save_id), chunks, entries, layout))
+            by_file.setdefault(getattr(item, "file", ""), []).append(Chunk(key, tuple(off), tuple(lens), flat, item))
+    files = [sorted(by_file[f], key=lambda c: getattr(c.source, "offset", 0)) for f in sorted(by_file)]  # each source file front to back
+    total = 0
+    for c in (c for chunks in files for c in chunks):
+        total += (c.flat[1] - c.flat[0] if c.flat is not None else prod(c.lengths)) * view.tensors[c.key].torch_dtype.itemsize
 
-    total = sum(e.nbytes for _, _, entries, _ in plans for e in entries)
-    report = _progress(progress, total, out.url)
-    cblock = knobs.checksum_block_bytes
-    specs: dict[str, dict[str, list[TensorShardSpec]]] = {key: {} for key in view.tensors}
-    files: dict[str, DataFileInfo] = {}
-    written: list[str] = []
-    done = 0
-    try:
-        for name, chunks, entries, layout in plans:
-            written.append(name)
-            with out.write_file(name) as raw_out, WriteBehind(raw_out, depth=1) as w:  # one chunk written while the next loads
-                w.write(memoryview(layout.header))
-                for (key, off, lens, flat, item), entry, byte_range in zip(chunks, entries, layout.byte_ranges):
-                    t = view.load_chunk(source, key, item)
-                    view_bytes = byte_view(t.contiguous())
-                    digests: list[int] = []
-                    digest_blocks(view_bytes, cblock, digests)
-                    w.write(view_bytes)
-                    del t, view_bytes
-                    specs[key].setdefault(name, []).append(
-                        TensorShardSpec(
-                            global_offset=off, local_shape=lens, flattened_range=flat, name=entry.name, byte_range=byte_range,
-                            checksums=encode_digests(digests),
-                        )
-                    )
-                    done += entry.nbytes
-                    report(done)
-            files[name] = DataFileInfo(size=layout.size, header=file_digest(layout.header))
-        tensors = {}
-        for key, stored in view.tensors.items():
-            pieces = [s for per_file in specs[key].values() for s in per_file]
-            whole = len(pieces) == 1 and pieces[0].flattened_range is None and pieces[0].local_shape == stored.shape
-            tensors[key] = TensorStorageMetadata(shape=stored.shape, dtype=dtype_name(stored.torch_dtype), is_sharded=not whole, shard_spec_per_file=specs[key])
-        meta = StorageMetadata(
-            format_version=2,  # laid out as format v2: chunk places and checksums in metadata.json
-            checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=cblock), files=files, tensors=tensors, objects=objects,
-        )
-        put_metadata(out, meta.to_json(), seen=seen, save_overwrite=overwrite)
-    except CommitUnknownError:
-        raise
-    except BaseException:
-        for name in written:
-            try:
-                out.delete(name)
-            except StorageError as e:
-                log.warning("%s: removing a data file of a failed conversion failed: %s", out.url, e)
-        raise
-    sweep(out, listed, keep=meta.data_files())
+    meta = write_checkpoint(
+        out, files, {key: (stored.torch_dtype, tuple(stored.shape)) for key, stored in view.tensors.items()},
+        lambda c: view.load_chunk(source, c.key, c.source),
+        objects=objects, pickled={}, listed=listed, seen=seen, overwrite=overwrite, knobs=knobs,
+        report=_progress(progress, total, out.url), where=view.where,
+    )
     out.close()
+    tensors = meta.tensors
     log.info("%s: converted %d tensors, %d ShardedObjects, %d bytes from %s", out.url, len(tensors), len(view.objects), total, source.url)
     return meta
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import NamedTuple
 
 from ..errors import DtypeMismatchError, ShapeMismatchError, ShardingError
 from ..format.dtypes import SAFETENSORS_CODE, torch_dtype
@@ -168,35 +169,59 @@ def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int, 
         if not items:
             ranks.append(RankWritePlan(None, b"", ()))
             continue
-        entries = []
-        blocks = 0
-        names: dict[str, tuple[Shape, Shape, tuple[int, int] | None]] = {}
-        for key, _idx, off, lens, flat in items:
-            shape, code, itemsize = file_facts[key]
-            name = entry_name(key, shape, off, lens, flat)
-            if name in names:  # two flattened boxes of one key at one offset, with ranges starting alike
-                raise ShardingError(
-                    f"key {key!r}: rank {rank} would write two chunks named {name!r} (box {list(names[name][1])} range "
-                    f"{names[name][2]} and box {list(lens)} range {flat}, both at {list(off)}); a data file cannot hold "
-                    "flattened ranges of two different boxes at the same offset that start at the same element"
-                )
-            names[name] = (off, lens, flat)
-            shape_in_file = lens if flat is None else (flat[1] - flat[0],)
-            nbytes = prod(shape_in_file) * itemsize
-            entries.append(FileEntry(name, code, shape_in_file, nbytes))
-            blocks += -(-nbytes // block_bytes)
-        entries.append(FileEntry(SUMS_ENTRY, "U8", (blocks * DIGEST_BYTES,), blocks * DIGEST_BYTES))
-        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "3"})
+        layout = file_layout([(key, off, lens, flat) for key, _idx, off, lens, flat in items], file_facts, block_bytes, who=f"rank {rank}")
         plan_items = []
-        for j, ((key, idx, off, lens, flat), entry, br) in enumerate(zip(items, entries, layout.byte_ranges)):
-            plan_items.append(WriteItem(key, idx, off, lens, flat, entry.name, br))
+        for j, ((key, idx, off, lens, flat), name, br) in enumerate(zip(items, layout.names, layout.byte_ranges)):
+            plan_items.append(WriteItem(key, idx, off, lens, flat, name, br))
             chunks[key].append((rank, j))
-        ranks.append(RankWritePlan(data_file_name(rank, save_id), layout.header, tuple(plan_items), layout.byte_ranges[-1]))
+        ranks.append(RankWritePlan(data_file_name(rank, save_id), layout.header, tuple(plan_items), layout.sums_range))
 
     tensors = {
         key: TensorPlan(facts[key][0], facts[key][1], sharded[key], tuple(chunks[key])) for key in holders
     }
     return SavePlan(tuple(ranks), tensors)
+
+
+class V3Layout(NamedTuple):
+    """One v3 data file's layout: its header, each chunk's entry name and absolute byte range
+    (in the order given), and the checksum entry's byte range, last in the file."""
+
+    header: bytes
+    names: list[str]
+    byte_ranges: tuple[tuple[int, int], ...]
+    sums_range: tuple[int, int]
+
+    @property
+    def size(self) -> int:
+        return self.sums_range[1]
+
+
+def file_layout(
+    chunks: list[tuple[str, Shape, Shape, tuple[int, int] | None]], facts: dict[str, tuple[Shape, str, int]], block_bytes: int, *, who: str
+) -> V3Layout:
+    """The layout of a v3 data file holding ``chunks`` (key, offsets, lengths, flattened range)
+    in that order; ``facts[key]`` is the tensor's global shape, safetensors dtype code and item
+    size. Raises ``ShardingError`` (naming ``who``) when two chunks would share an entry name."""
+    entries = []
+    blocks = 0
+    names: dict[str, tuple[Shape, Shape, tuple[int, int] | None]] = {}
+    for key, off, lens, flat in chunks:
+        shape, code, itemsize = facts[key]
+        name = entry_name(key, shape, off, lens, flat)
+        if name in names:  # two flattened boxes of one key at one offset, with ranges starting alike
+            raise ShardingError(
+                f"key {key!r}: {who} would write two chunks named {name!r} (box {list(names[name][1])} range "
+                f"{names[name][2]} and box {list(lens)} range {flat}, both at {list(off)}); a data file cannot hold "
+                "flattened ranges of two different boxes at the same offset that start at the same element"
+            )
+        names[name] = (off, lens, flat)
+        shape_in_file = lens if flat is None else (flat[1] - flat[0],)
+        nbytes = prod(shape_in_file) * itemsize
+        entries.append(FileEntry(name, code, shape_in_file, nbytes))
+        blocks += -(-nbytes // block_bytes)
+    entries.append(FileEntry(SUMS_ENTRY, "U8", (blocks * DIGEST_BYTES,), blocks * DIGEST_BYTES))
+    layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "3"})
+    return V3Layout(layout.header, list(names), layout.byte_ranges[:-1], layout.byte_ranges[-1])
 
 
 def _numel(geom: Piece) -> int:

@@ -1,0 +1,133 @@
+"""Write chunks read from another checkpoint as a committed shardsafe checkpoint (format v3).
+
+The converters of DCP and Megatron-Core checkpoints (:mod:`shardsafe.dcp.convert`,
+:mod:`shardsafe.megatron.convert`) decide which chunks go into which new data file (one per
+source file, read front to back); this module lays the files out, streams each chunk in as it
+is loaded (one chunk written while the next loads), checksums it, and commits ``metadata.json``
+last with the same compare-and-swap as a save. A failure removes the files written so far.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import uuid
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from ..errors import CorruptCheckpointError, StorageError
+from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
+from ..format.chunk_table import ChunkTable
+from ..format.dtypes import SAFETENSORS_CODE, dtype_name
+from ..format.metadata import ChecksumConfig, DataFile, StorageMetadata, TensorStorageMetadata
+from ..knobs import Knobs
+from ..planning.save_plan import data_file_name, file_layout
+from ..storage import Storage
+from .buffers import WriteBehind, byte_view
+from .commit import CommitUnknownError, put_metadata, sweep
+
+__all__ = ["Chunk", "write_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+Shape = tuple[int, ...]
+
+
+class Chunk(NamedTuple):
+    """One chunk to write: its tensor, box, flattened range (None: the whole box), and whatever
+    the caller's ``load`` needs to read it."""
+
+    key: str
+    offsets: Shape
+    lengths: Shape
+    flat: tuple[int, int] | None
+    source: Any
+
+
+def write_checkpoint(
+    out: Storage,
+    files: list[list[Chunk]],
+    tensors: dict[str, tuple[torch.dtype, Shape]],
+    load: Callable[[Chunk], torch.Tensor],
+    *,
+    objects: dict[str, Any],
+    pickled: dict[str, str],
+    listed: list[str],
+    seen: str | None,
+    overwrite: bool,
+    knobs: Knobs,
+    report: Callable[[int], None],
+    where: str,
+) -> StorageMetadata:
+    """Write ``files`` (each a list of chunks, in the order to read them) into ``out`` and commit.
+
+    ``tensors[key]`` is each tensor's dtype and global shape (a tensor may have no chunk: no
+    elements); ``load(chunk)`` returns the chunk's elements (its box, or its flattened range).
+    ``listed`` and ``seen`` are what ``out`` held before (see :func:`.commit.sweep`);
+    ``report(bytes done)`` is called after each chunk. Returns the committed metadata, bound to ``out``.
+    """
+    cblock = knobs.checksum_block_bytes
+    facts = {key: (shape, SAFETENSORS_CODE[dtype], dtype.itemsize) for key, (dtype, shape) in tensors.items()}
+    save_id = uuid.uuid4().hex[:12]
+    plans = [
+        (data_file_name(i, save_id), chunks, file_layout([c[:4] for c in chunks], facts, cblock, who=f"data file {i}"))
+        for i, chunks in enumerate(files)
+        if chunks
+    ]
+    rows: dict[str, list[tuple[int, Shape, Shape, tuple[int, int] | None]]] = {key: [] for key in tensors}
+    table: list[DataFile] = []
+    written: list[str] = []
+    done = 0
+    try:
+        for number, (name, chunks, layout) in enumerate(plans):
+            written.append(name)
+            digests: list[int] = []
+            with out.write_file(name) as raw_out, WriteBehind(raw_out, depth=1) as w:  # one chunk written while the next loads
+                w.write(memoryview(layout.header))
+                for c, (begin, end) in zip(chunks, layout.byte_ranges):
+                    t = load(c).contiguous()
+                    data = byte_view(t)
+                    if data.nbytes != end - begin:
+                        raise CorruptCheckpointError(
+                            f"{where}: tensor {c.key!r}, chunk at {list(c.offsets)}: read {data.nbytes} bytes, its box needs {end - begin}"
+                        )
+                    digest_blocks(data, cblock, digests)
+                    w.write(data)
+                    del t, data
+                    rows[c.key].append((number, c.offsets, c.lengths, c.flat))
+                    done += end - begin
+                    report(done)
+                sums = struct.pack(f"<{len(digests)}Q", *digests)
+                w.write(memoryview(sums))
+            table.append(
+                DataFile(name=name, size=layout.size, header_bytes=len(layout.header), header=file_digest(layout.header), sums=file_digest(sums))
+            )
+        stored = {}
+        for key, (dtype, shape) in tensors.items():
+            chunks_of = ChunkTable.from_chunks(rows[key], len(shape))
+            whole = len(rows[key]) == 1 and rows[key][0][3] is None and tuple(rows[key][0][2]) == tuple(shape)
+            stored[key] = tm = TensorStorageMetadata.model_construct(
+                shape=tuple(shape), dtype=dtype_name(dtype, key=key), is_sharded=not whole, table=chunks_of.to_json()
+            )
+            tm._table = chunks_of
+        meta = StorageMetadata(
+            checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=cblock),
+            file_table=table,
+            tensors=stored,
+            objects=objects,
+            pickled_objects=pickled,
+        )
+        put_metadata(out, meta.to_json(), seen=seen, save_overwrite=overwrite)
+    except CommitUnknownError:
+        raise  # the data files stay: a metadata.json naming them may have been committed
+    except BaseException:
+        for name in written:
+            try:
+                out.delete(name)
+            except StorageError as e:
+                log.warning("%s: removing a data file of a failed conversion failed: %s", out.url, e)
+        raise
+    sweep(out, listed, keep=meta.data_files())
+    return meta.bind(out)
