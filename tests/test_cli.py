@@ -639,3 +639,13 @@ def test_load_hf_damaged_files(tmp_path):
     files[0].write_bytes(len(header).to_bytes(8, "little") + header + bytes(96))
     with pytest.raises(shardsafe.CorruptCheckpointError, match=r"tensor 'net.0.bias': data_offsets \[0, 95\] hold 95 bytes, shape \[24\] of torch.float32 needs 96"):
         shardsafe.load_hf_safetensors(path, _model(), prefix="net.")
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+    path = tmp_path / "many"
+    Checkpointer().save(str(path), {f"layer.{i}.weight": torch.zeros(2) for i in range(3000)})  # about 200 KB of table
+    p = subprocess.Popen([sys.executable, "-m", "shardsafe", "inspect", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    assert p.stdout.readline().startswith(b"checkpoint")
+    p.stdout.close()  # as `| head -1` does
+    _, err = p.communicate(timeout=120)
+    assert (p.returncode, err) == (141, b"")

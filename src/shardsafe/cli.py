@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FOUND, EXIT_ERROR = 0, 1, 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe
 
 _DTYPES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16", "float16": "float16", "half": "float16",
@@ -386,6 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"shardsafe {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as a Unix tool would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush must not fail again
+        return EXIT_BROKEN_PIPE
     except Exception as e:  # noqa: BLE001 - a bug, or an error we do not name yet: say what, briefly
         if args.debug:
             raise
