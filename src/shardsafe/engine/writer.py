@@ -431,6 +431,7 @@ class _TableCache:
 
     def __init__(self) -> None:
         self._last: tuple[Any, dict[str, TensorStorageMetadata]] | None = None
+        self._headers: dict[int, tuple[bytes, str]] = {}  # id(header) -> (header, its digest), the last plan's
 
     def get(self, tensors: Any) -> dict[str, TensorStorageMetadata] | None:
         last = self._last
@@ -438,6 +439,21 @@ class _TableCache:
 
     def put(self, tensors: Any, built: dict[str, TensorStorageMetadata]) -> None:
         self._last = (tensors, built)
+
+    def forget_headers(self) -> None:
+        """A new plan: the digests kept are of headers no later save will write."""
+        self._headers = {}
+
+    def header_digest(self, header: bytes) -> str:
+        """The digest of a data file's header: a renamed plan keeps its headers (the same bytes
+        objects), so a cached save does not hash them again (at 1000 tensors a header is about
+        100 KB, times the number of ranks)."""
+        got = self._headers.get(id(header))
+        if got is not None and got[0] is header:
+            return got[1]
+        digest = file_digest(header)
+        self._headers[id(header)] = (header, digest)
+        return digest
 
 
 _TABLES = _TableCache()
@@ -448,15 +464,19 @@ def _build_metadata(
 ) -> StorageMetadata:
     """The v3 document: the data files (size, header and checksum-entry digests) and each
     tensor's chunks as a run-length coded table of file indices, offsets and lengths."""
+    tensors = _TABLES.get(plan.tensors)
+    if tensors is None:
+        _TABLES.forget_headers()
     numbers: dict[int, int] = {}
     table = []
     for rank, rp in enumerate(plan.ranks):
         if rp.file is not None:
             numbers[rank] = len(table)
-            table.append(
-                DataFile(name=rp.file, size=rp.size, header_bytes=len(rp.header), header=file_digest(rp.header), sums=sums[rank])
+            table.append(  # our own values: no validation (one model per rank)
+                DataFile.model_construct(
+                    name=rp.file, size=rp.size, header_bytes=len(rp.header), header=_TABLES.header_digest(rp.header), sums=sums[rank]
+                )
             )
-    tensors = _TABLES.get(plan.tensors)
     if tensors is None:
         tensors = {}
         for key, tp in plan.tensors.items():
