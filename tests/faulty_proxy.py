@@ -77,6 +77,7 @@ class _Plan:
     injected: Counter = field(default_factory=Counter)
     denied: list[list] = field(default_factory=list)  # [pattern, methods, status, requests still let through]
     corrupted: list[list] = field(default_factory=list)  # [pattern, object byte or None, mask, answers left or None]
+    delayed: list[list] = field(default_factory=list)  # [pattern, methods, seconds]
 
 
 class FaultyProxy:
@@ -137,6 +138,16 @@ class FaultyProxy:
         for good, once ``after`` matching requests have been let through."""
         with self._lock:
             self._plan.denied.append([re.compile(path), frozenset(methods) if methods else None, status, after])
+
+    def delay(self, seconds: float, *, path: str = "", methods=None) -> None:
+        """Hold every matching request ``seconds`` before forwarding it (its record includes the
+        wait): requests a client sends at once then overlap, however busy the machine is."""
+        with self._lock:
+            self._plan.delayed.append([re.compile(path), frozenset(methods) if methods else None, seconds])
+
+    def _delay_for(self, method: str, path: str) -> float:
+        with self._lock:
+            return sum(s for pattern, methods, s in self._plan.delayed if pattern.search(path) and (methods is None or method in methods))
 
     def corrupt(self, path: str, *, at: int | None = None, mask: int = 0x01, limit: int | None = None) -> None:
         """Flip the bits ``mask`` of byte ``at`` of every object whose path matches ``path`` (a
@@ -294,6 +305,9 @@ class _Handler(BaseHTTPRequestHandler):
 
         upath = unquote(path)
         start = time.monotonic()
+        wait = owner._delay_for(self.command, upath)
+        if wait:
+            time.sleep(wait)
         auth = self.headers.get("Authorization", "")
         m = _SIGNED_KEY.search(auth) or _SHARED_KEY.search(auth)
         key_id = m.group(1) if m else (f"bearer:{auth[7:]}" if auth.startswith("Bearer ") and auth[7:].strip() else None)
