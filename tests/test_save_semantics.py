@@ -286,7 +286,6 @@ def assert_data_files_match(d: Path, meta, sources: dict[str, torch.Tensor]) -> 
         with safe_open(str(d / file), framework="pt") as f:
             assert set(f.keys()) == set(chunks) | {SUMS_ENTRY}  # and the digests of their blocks
             assert f.metadata()["format"] == "pt"
-            digests: list[int] = []
             for name, want in chunks.items():
                 got = f.get_tensor(name)
                 if got.shape != want.shape and got.dim() == 1 and got.numel() == want.numel():  # a flattened range over its whole box
@@ -294,6 +293,7 @@ def assert_data_files_match(d: Path, meta, sources: dict[str, torch.Tensor]) -> 
                 assert_bitexact(got, want.contiguous())
                 n += 1
             sums = f.get_tensor(SUMS_ENTRY).numpy().tobytes()
+        digests: list[int] = []
         for _name, want in _entries_in_file_order(d / file, chunks):
             raw = want.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if want.numel() else b""
             digests += [xxhash.xxh3_64_intdigest(raw[i : i + block]) for i in range(0, len(raw), block)]

@@ -106,12 +106,10 @@ def write_checkpoint(
             )
         stored = {}
         for key, (dtype, shape) in tensors.items():
-            chunks_of = ChunkTable.from_chunks(rows[key], len(shape))
             whole = len(rows[key]) == 1 and rows[key][0][3] is None and tuple(rows[key][0][2]) == tuple(shape)
-            stored[key] = tm = TensorStorageMetadata.model_construct(
-                shape=tuple(shape), dtype=dtype_name(dtype, key=key), is_sharded=not whole, table=chunks_of.to_json()
+            stored[key] = TensorStorageMetadata.from_table(
+                shape, dtype_name(dtype, key=key), not whole, ChunkTable.from_chunks(rows[key], len(shape))
             )
-            tm._table = chunks_of
         meta = StorageMetadata(
             checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=cblock),
             file_table=table,

@@ -484,9 +484,7 @@ def _build_metadata(
             for rank, j in tp.chunks:
                 it = plan.ranks[rank].items[j]
                 rows.append((numbers[rank], it.offsets, it.lengths, it.flat))
-            chunks = ChunkTable.from_chunks(rows, len(tp.shape))
-            tensors[key] = tm = TensorStorageMetadata.model_construct(shape=tp.shape, dtype=tp.dtype, is_sharded=tp.is_sharded, table=chunks.to_json())
-            tm._table = chunks
+            tensors[key] = TensorStorageMetadata.from_table(tp.shape, tp.dtype, tp.is_sharded, ChunkTable.from_chunks(rows, len(tp.shape)))
         _TABLES.put(plan.tensors, tensors)
     tensors = {key: tm.model_copy() for key, tm in tensors.items()}  # each document its own (they point back to it)
     return StorageMetadata(

@@ -214,6 +214,13 @@ class TensorStorageMetadata(BaseModel):
 
     __hash__ = None  # type: ignore[assignment]  # equal by value, and holds dicts
 
+    @classmethod
+    def from_table(cls, shape: tuple[int, ...], dtype: str, is_sharded: bool, table: ChunkTable) -> TensorStorageMetadata:
+        """A format v3 tensor whose chunks are ``table`` (values a writer made: not validated)."""
+        tm = cls.model_construct(shape=tuple(shape), dtype=dtype, is_sharded=is_sharded, table=table.to_json())
+        tm._table = table
+        return tm
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
@@ -473,8 +480,7 @@ class StorageMetadata(BaseModel):
             table = t._table
             assert table is not None
             moved = ChunkTable(renumber[table.files], table.offsets, table.lengths, table.flat)
-            tensors[key] = new = TensorStorageMetadata.model_construct(shape=t.shape, dtype=t.dtype, is_sharded=t.is_sharded, table=moved.to_json())
-            new._table = moved
+            tensors[key] = TensorStorageMetadata.from_table(t.shape, t.dtype, t.is_sharded, moved)
         return StorageMetadata(
             format_version=self.format_version, checksum=self.checksum, file_table=[self.file_table[i] for i in used],
             tensors=tensors, objects=self.objects, pickled_objects=self.pickled_objects,
