@@ -29,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue, backend: str = "gloo") -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -37,7 +37,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         )
         try:
             result = fn(rank, world_size, *args)
@@ -52,10 +52,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
             queue.put((rank, False, RuntimeError(repr(e)), traceback.format_exc()))
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, backend: str = "gloo") -> list[Any]:
+    """``backend`` is ``init_process_group``'s (e.g. ``"cpu:gloo,cuda:nccl"`` for CUDA tests)."""
     queue = _CTX.Queue()
     port = free_port()
-    procs = [_CTX.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
+    procs = [_CTX.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, tuple[bool, Any, str]] = {}

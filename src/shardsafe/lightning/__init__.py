@@ -4,6 +4,7 @@ One argument switches a Lightning run to shardsafe checkpoints::
 
     trainer = L.Trainer(strategy=shardsafe.lightning.ModelParallelStrategy(), ...)  # FSDP2 / TP
     trainer = L.Trainer(strategy=shardsafe.lightning.DDPStrategy(), ...)
+    trainer = L.Trainer(strategy=shardsafe.lightning.FSDPStrategy(), ...)  # FSDP1, CUDA only
     fabric = L.Fabric(strategy=shardsafe.lightning.FabricModelParallelStrategy(), ...)
 
 - :func:`consolidate`: a shardsafe checkpoint as the single-file checkpoint Lightning users load
@@ -22,11 +23,11 @@ from typing import Any
 from ._checkpoint import META_KEY, consolidate, load_checkpoint, read_meta, save_checkpoint
 
 __all__ = [
-    "META_KEY", "DDPStrategy", "FabricModelParallelStrategy", "ModelParallelStrategy", "consolidate", "load_checkpoint",
+    "META_KEY", "DDPStrategy", "FSDPStrategy", "FabricFSDPStrategy", "FabricModelParallelStrategy", "ModelParallelStrategy", "consolidate", "load_checkpoint",
     "read_meta", "save_checkpoint",
 ]
 
-_STRATEGIES = ("DDPStrategy", "FabricModelParallelStrategy", "ModelParallelStrategy")
+_STRATEGIES = ("DDPStrategy", "FSDPStrategy", "FabricFSDPStrategy", "FabricModelParallelStrategy", "ModelParallelStrategy")
 
 
 def __getattr__(name: str) -> Any:

@@ -7,7 +7,9 @@ do not use a ``CheckpointIO`` for sharded checkpoints (``ModelParallelStrategy``
 
     trainer = L.Trainer(strategy=shardsafe.lightning.ModelParallelStrategy(), ...)  # was: ModelParallelStrategy()
     trainer = L.Trainer(strategy=shardsafe.lightning.DDPStrategy(), ...)            # was: "ddp"
+    trainer = L.Trainer(strategy=shardsafe.lightning.FSDPStrategy(), ...)           # was: "fsdp" (needs CUDA)
     fabric = L.Fabric(strategy=shardsafe.lightning.FabricModelParallelStrategy(), ...)
+    fabric = L.Fabric(strategy=shardsafe.lightning.FabricFSDPStrategy(), ...)       # was: "fsdp" (needs CUDA)
 
 Every rank writes its own shards; the loop state goes into the same checkpoint (one atomic
 commit, no ``meta.pt``, no pickle); ``trainer.fit(model, ckpt_path=...)`` resumes at any world
@@ -20,14 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.strategies import FSDPStrategy as _FabricFSDP
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallel
 from lightning.pytorch.strategies import DDPStrategy as _DDP
+from lightning.pytorch.strategies import FSDPStrategy as _FSDP
 from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallel
 from torch import nn
 
 from ._checkpoint import is_lightning_dcp_folder, load_checkpoint, save_checkpoint
 
-__all__ = ["DDPStrategy", "FabricModelParallelStrategy", "ModelParallelStrategy"]
+__all__ = ["DDPStrategy", "FSDPStrategy", "FabricFSDPStrategy", "FabricModelParallelStrategy", "ModelParallelStrategy"]
 
 
 class _TrainerCheckpoints:
@@ -44,19 +48,25 @@ class _TrainerCheckpoints:
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint already did
 
+    def _checkpoint_module(self) -> nn.Module:
+        """The module whose parameters are saved: the ``LightningModule`` itself where its
+        parameters say how they are sharded (plain, DDP, FSDP2/TP DTensors)."""
+        return self.lightning_module  # type: ignore[attr-defined]
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
         path = Path(self.broadcast(filepath))  # type: ignore[attr-defined]
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_checkpoint(path, self.lightning_module, list(self.optimizers), meta, allow_pickle=self.allow_pickle)  # type: ignore[attr-defined]
+        save_checkpoint(path, self._checkpoint_module(), list(self.optimizers), meta, allow_pickle=self.allow_pickle)  # type: ignore[attr-defined]
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self._checkpoint_module()
+        strict = self.lightning_module.strict_loading  # type: ignore[attr-defined]
         if is_lightning_dcp_folder(path):
-            return _load_lightning_dcp_folder(path, module, list(self.optimizers), strict=module.strict_loading)  # type: ignore[attr-defined]
-        return load_checkpoint(path, module, list(self.optimizers), strict=module.strict_loading, allow_pickle=self.allow_pickle)  # type: ignore[attr-defined]
+            return _load_lightning_dcp_folder(path, module, list(self.optimizers), strict=strict)  # type: ignore[attr-defined]
+        return load_checkpoint(path, module, list(self.optimizers), strict=strict, allow_pickle=self.allow_pickle)  # type: ignore[attr-defined]
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # load_checkpoint loaded the model in place
@@ -87,25 +97,43 @@ class DDPStrategy(_TrainerCheckpoints, _DDP):
         self.allow_pickle = allow_pickle
 
 
-class FabricModelParallelStrategy(_FabricModelParallel):
-    """Fabric's ``ModelParallelStrategy`` with ``fabric.save(path, state)`` and ``fabric.load(path,
-    state)`` through shardsafe. ``state`` holds one module, at most one optimizer, and values
-    (objects with ``state_dict()``/``load_state_dict()`` are stored by their state)."""
+class FSDPStrategy(_TrainerCheckpoints, _FSDP):
+    """Lightning's ``FSDPStrategy`` (FSDP1; Lightning's default ``use_orig_params=True``) with
+    sharded checkpoints written and read by shardsafe, whatever ``state_dict_type`` says: every
+    rank writes the flat parts of its parameters and optimizer state, and the checkpoint loads at
+    any world size and into any other strategy. Lightning runs FSDP on CUDA only. Same arguments
+    as Lightning's, plus ``allow_pickle``; ``state_dict_type`` defaults to ``"sharded"`` here, so
+    the state dict Lightning collects for its hooks before each save is the local shards, not a
+    full copy gathered on every rank."""
 
     def __init__(self, *args: Any, allow_pickle: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("state_dict_type", "sharded")
         super().__init__(*args, **kwargs)
         self.allow_pickle = allow_pickle
+
+    def _checkpoint_module(self) -> nn.Module:
+        # the FSDP-wrapped model: its FullyShardedDataParallel units say which flat range of
+        # each parameter this rank holds (the LightningModule inside the root unit does not)
+        return self.model  # type: ignore[return-value]
+
+
+class _FabricCheckpoints:
+    """``fabric.save(path, state)`` and ``fabric.load(path, state)`` through shardsafe. ``state``
+    holds one module, at most one optimizer, and values (objects with
+    ``state_dict()``/``load_state_dict()`` are stored by their state)."""
+
+    allow_pickle: bool = False
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None) -> None:
         if storage_options is not None or filter is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options and filter are not supported")
-        path = Path(self.broadcast(path))
+        path = Path(self.broadcast(path))  # type: ignore[attr-defined]
         module, optims, rest = _split_state(state, str(path))
         meta = {k: (v.state_dict() if _stateful(v) else v) for k, v in rest.items()}
         save_checkpoint(path, module, optims, meta, allow_pickle=self.allow_pickle)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(path))
+        path = Path(self.broadcast(path))  # type: ignore[attr-defined]
         if not isinstance(state, dict):
             raise TypeError(f"{type(self).__name__}.load_checkpoint: pass state={{'model': model, ...}} (a dict)")
         module, optims, rest = _split_state(state, str(path))
@@ -122,6 +150,24 @@ class FabricModelParallelStrategy(_FabricModelParallel):
             else:
                 state[key] = meta.pop(key)
         return meta
+
+
+class FabricModelParallelStrategy(_FabricCheckpoints, _FabricModelParallel):
+    """Fabric's ``ModelParallelStrategy`` (FSDP2 / TP) with ``fabric.save`` and ``fabric.load``
+    through shardsafe. Same arguments as Fabric's, plus ``allow_pickle``."""
+
+    def __init__(self, *args: Any, allow_pickle: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.allow_pickle = allow_pickle
+
+
+class FabricFSDPStrategy(_FabricCheckpoints, _FabricFSDP):
+    """Fabric's ``FSDPStrategy`` (FSDP1, CUDA only) with ``fabric.save`` and ``fabric.load``
+    through shardsafe. Same arguments as Fabric's, plus ``allow_pickle``."""
+
+    def __init__(self, *args: Any, allow_pickle: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.allow_pickle = allow_pickle
 
 
 def _stateful(obj: Any) -> bool:
