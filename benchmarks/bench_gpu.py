@@ -21,7 +21,8 @@ started: reported apart as "first"), then ``--reps`` times in an order rotated e
   True)`` kept from save to save (pinned staging buffers, reused; the path is reset per save);
 - ``dcp-stager-pinned``: ``dcp.async_save`` with a kept ``DefaultStager`` (pinned memory,
   non-blocking copies, staging in a thread); the caller may change the tensors once its staging
-  future is done, so that is where its blocked time ends;
+  future is done, so that is where its blocked time ends (torch 2.11 closes the stager after each
+  staging, pytorch#183413: then a new one per save, as its users must);
 - loads into existing device tensors, each from a checkpoint saved once beforehand:
   ``shardsafe-load`` (``Checkpointer().load``), ``dcp-load`` (``dcp.load``, ``FileSystemReader``),
   and ``h2d-memcpy`` (the limit: the pinned buffer copied back, ``non_blocking``, synchronized).
@@ -104,6 +105,7 @@ class Bench:
         self.ours_async, self.ours_sync, self.ours_load = shardsafe.Checkpointer(), shardsafe.Checkpointer(), shardsafe.Checkpointer()
         self.cached_writer: Any = None
         self.stager: Any = None
+        self.stagers_renewed = 0  # see prepare()
         self.cache_mode = "none"
 
     def sync(self) -> None:
@@ -134,11 +136,7 @@ class Bench:
         if name == "dcp-async-cached" and not self.cuda:
             raise RuntimeError("FileSystemWriter's staging cache is pinned memory: needs CUDA")
         if name == "dcp-stager-pinned":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # torch >= 2.9
-
-            on = self.cuda  # pinned memory and non-blocking copies need CUDA
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=on, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=on))
+            self.stager = self._new_stager()
         if name == "shardsafe-load":
             shutil.rmtree(self.path("load-shardsafe"), ignore_errors=True)
             self.ours_load.save(self.path("load-shardsafe"), self.state)
@@ -146,10 +144,22 @@ class Bench:
             shutil.rmtree(self.path("load-dcp"), ignore_errors=True)
             dcp.save(self.state, storage_writer=dcp.FileSystemWriter(self.path("load-dcp")))
 
+    def _new_stager(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # torch >= 2.9
+
+        on = self.cuda  # pinned memory and non-blocking copies need CUDA
+        return DefaultStager(StagingOptions(use_pinned_memory=on, use_shared_memory=False, use_async_staging=True,
+                                            use_non_blocking_copy=on))
+
     def prepare(self, name: str) -> None:
         """Before each run: a fresh save directory, or a cold page cache and zeroed targets."""
         gc.collect()
         trim_heap()
+        if name == "dcp-stager-pinned" and not getattr(getattr(self.stager, "_state_dict_stager", None), "_deepcopy_dispatch", 1):
+            # torch 2.11 closes a DefaultStager's copier (and drops its cached pinned storages) after every
+            # staging, so it cannot stage twice (pytorch#183413, fixed after 2.11): a new one per save, as a user must
+            self.stager.close()
+            self.stager, self.stagers_renewed = self._new_stager(), self.stagers_renewed + 1
         if name in SAVES:
             shutil.rmtree(self.path(name), ignore_errors=True)
             return
@@ -417,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  rep {rep:2} {m:18} blocked {blocked:8.4f} s  durable {_f(durable, '8.4f')} s"
                     + ("" if exact else "  NOT EXACT"))
             round_s = max(round_s, time.perf_counter() - t_round)
-            info["cache"] = bench.cache_mode
+            info["cache"], info["dcp_stagers_renewed"] = bench.cache_mode, bench.stagers_renewed
             _write(args.out, info, records, skipped)
         if "shardsafe-async" in methods:
             try:
@@ -432,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     info["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     rows = _write(args.out, info, records, skipped)
+    if info.get("dcp_stagers_renewed"):
+        print(f"dcp-stager-pinned: a new DefaultStager for each of {info['dcp_stagers_renewed']} saves (this torch closes it after "
+              "staging, pytorch#183413: staging buffers are not kept)")
     print(f"cache: {info['cache']} before each load (drop_caches needs root; else fadvise DONTNEED on the files)")
     print(markdown(rows, info))
     print(summary_line(rows, ratios(rows), info))
