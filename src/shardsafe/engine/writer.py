@@ -54,10 +54,54 @@ def save_state(
     want_meta: bool = True,
 ) -> tuple[StorageMetadata | None, list[str]]:
     """A synchronous save: the async path with no staging copy (this rank's bytes are read from
-    the caller's tensors while it waits) and the last phase in the caller's thread."""
+    the caller's tensors while it waits) and the last phase in the caller's thread. Device
+    tensors go to the host through a bounded pinned ring instead (:func:`_finish_from_device`)."""
     before_save(storage.url, max_in_flight=None)
     p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
+    devices = {d for it in p.mine.items if (d := p.local[it.key].views[it.piece_index].device).type == "cuda"}
+    if devices:
+        return _finish_from_device(p, comm, devices, want_meta=want_meta)
     return _finish(p, comm, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)), want_meta=want_meta)
+
+
+SYNC_DEVICE_RING_BYTES = 256 << 20  # the pinned ring a synchronous save of device tensors copies through (kept for the next save, as async rings are)
+
+
+def _finish_from_device(p: _Prepared, comm: Comm, devices: set[Any], *, want_meta: bool) -> tuple[StorageMetadata | None, list[str]]:
+    """A synchronous save of a rank holding CUDA tensors: a helper thread copies them, block by
+    block, into a pinned ring (non-blocking, on a side stream) while this thread checksums and
+    writes what is already on the host: the async save's staging with a bounded ring, so no host
+    copy of the whole state is made (a ``.to("cpu")`` per tensor was pageable, allocated afresh
+    each time and not overlapped with the write: 1.2 GB/s on an H100 against 48 for the copy)."""
+    import torch
+
+    for device in devices:  # the helper's side stream cannot wait on this thread's stream: finish its work first
+        torch.cuda.current_stream(device).synchronize()
+    items, knobs = p.mine.items, p.knobs
+    total = sum(aligned(it.byte_range[1] - it.byte_range[0]) for it in items)
+    cap = min(total, max(min(knobs.async_staging_bytes, SYNC_DEVICE_RING_BYTES), 2 * knobs.checksum_block_bytes))
+    ring = RINGS.acquire(cap, pinned=True)
+    units = UnitQueue()
+    units.start()  # the writer runs beside the copies
+
+    def produce() -> None:
+        try:
+            stage(items, p.local, ring, _unit_bytes(knobs, ring.capacity), units.put)
+        except RingAborted:  # the writer failed: its error is the save's
+            return
+        except BaseException as e:  # noqa: BLE001 - raised by the writer, in this save's thread
+            units.close(e)
+            return
+        units.close(None)
+
+    copier = threading.Thread(target=produce, name=f"shardsafe-stage-{p.save_id}", daemon=True)
+    copier.start()
+    try:
+        return _finish(p, comm, units, after_write=ring.abort, want_meta=want_meta)
+    finally:
+        ring.abort()
+        copier.join()
+        RINGS.release(ring)
 
 
 def async_save_state(
