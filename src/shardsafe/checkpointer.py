@@ -160,6 +160,10 @@ class Checkpointer:
             with Reader(storage, self.knobs) as reader:
                 reader.load_tensors(((meta.tensors[t.key], t) for t in tensors), targets_done(progress, tensors))
                 nread[0] = reader.bytes_read
+            log.debug(
+                "load %s: rank %d of %d filled %d tensors and %d values, %d bytes read, %.2f s",
+                storage.url, comm.rank, comm.world_size, len(tensors), len(values), nread[0], time.monotonic() - started,
+            )
             return values
 
         state_dict.update(comm.check(run))  # only success or failure travels; the values stay here

@@ -309,6 +309,12 @@ def _prepare(
     if mine is None:  # the coordinator reuses the plan this rank's cached part is from
         mine = plan_cache.renamed(cached.rank_plan, comm.rank, save_id)  # type: ignore[arg-type]
     plan_cache.store_rank(key, mine_desc["digest"], mine, plan_id)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "save %s: rank %d of %d, plan %s (%s): writes %d chunks of %d tensors, %d bytes, to %s",
+            storage.url, comm.rank, comm.world_size, plan_id, "reused" if got[0] is None else "new part",
+            len(mine.items), len({it.key for it in mine.items}), mine.size, mine.file or "no file",
+        )
     return _Prepared(storage, save_overwrite, mine, local, save_id, state, knobs)
 
 

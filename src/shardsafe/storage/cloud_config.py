@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import configparser
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -37,6 +38,8 @@ _CLOUDS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "a
 _CANONICAL = {"s3": "s3", "gcs": "gs", "azure": "az"}
 OBJECT_SCHEMES = frozenset(_CLOUDS)
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://([^/?#]*)/*([^?#]*)$")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +161,12 @@ def build_store(loc: ObjectLocation, opts: ObjectStoreOptions, *, max_retries: i
     provider = config.pop("_credential_provider", None)
     if provider is not None:
         kwargs["credential_provider"] = provider
+    # obstore retries inside its own (Rust) client and does not report each retry: what is logged
+    # is the policy; a request that still fails is raised as StorageError naming the object
+    log.debug(
+        "%s: %s client, endpoint %s, up to %d retries within %s s (backoff 0.1 s doubling to 15 s)",
+        loc.url, loc.cloud, endpoint or "default", max_retries, retry_timeout_s,
+    )
     try:
         if loc.cloud == "s3":
             return S3Store(loc.bucket, config=config, **kwargs)
