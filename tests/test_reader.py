@@ -68,3 +68,36 @@ def test_small_scratch_budget_splits_reads_and_stays_exact(tmp_path):
     target = torch.empty(300, 256).t()  # non-contiguous target: goes through scratch
     _read(str(tmp_path), target, read_buffer_bytes=1 << 10, io_threads=2)
     assert torch.equal(target, full)
+
+
+def _load_in_child(path: str, want: torch.Tensor, out) -> None:
+    got = {"w": torch.zeros_like(want)}
+    Checkpointer().load(path, got, no_dist=True)
+    out.put(bool(torch.equal(got["w"], want)))
+
+
+def test_loads_share_their_threads_and_a_forked_child_starts_its_own(tmp_path):
+    import multiprocessing as mp
+    import threading
+
+    want = torch.arange(4096.0).reshape(64, 64)
+    Checkpointer().save(tmp_path / "c", {"w": want})
+
+    def readers() -> set[int]:
+        return {t.ident for t in threading.enumerate() if t.name.startswith("shardsafe-read")}
+
+    for _ in range(3):
+        got = {"w": torch.zeros(64, 64)[:, :64]}
+        Checkpointer().load(tmp_path / "c", got, no_dist=True)
+        assert torch.equal(got["w"], want)
+        if _ == 0:
+            first = readers()
+    assert first and readers() == first  # the same threads served every load
+
+    # a child forked after the threads started gets threads of its own (none survive a fork): no hang
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_load_in_child, args=(str(tmp_path / "c"), want, out))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and out.get(timeout=5) is True
