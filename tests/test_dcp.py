@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -217,11 +218,12 @@ def _our_save_fsdp(rank, ws, path, truth_path):
     _save_truth(rank, model, optim, truth_path)
 
 
-def test_save_model_and_optim_state_loads_through_dcp_on_more_ranks(tmp_path):
+@pytest.mark.parametrize("ws", [1, 4])
+def test_save_model_and_optim_state_loads_through_dcp_on_other_world_sizes(tmp_path, ws):
     path, truth, out = str(tmp_path / "ckpt"), str(tmp_path / "truth.pt"), str(tmp_path / "loaded.pt")
     run_ranks(2, _our_save_fsdp, path, truth)
     # the stored param groups are one JSON list; DCP asks for optim.param_groups.0.lr and the like
-    results = run_ranks(4, _dcp_load_fsdp_model_optim, path, out)
+    results = run_ranks(ws, _dcp_load_fsdp_model_optim, path, out)
     _compare_states(torch.load(out), torch.load(truth))
     betas, lrs = results[0]
     assert list(betas[0]) == [0.8, 0.95] and lrs == [1e-2]
@@ -357,7 +359,7 @@ def _dcp_native_save(rank, ws, path):
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(path))
 
 
-def _dcp_native_load_cols(rank, ws, path):
+def _dcp_native_load_cols(rank, ws, path, options=None):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -368,7 +370,7 @@ def _dcp_native_load_cols(rank, ws, path):
     sd["scalar"] = torch.tensor(0.0)
     sd["extra"] = {"epoch": 0, "names": []}
     sd["counter"] = Counter()
-    dcp.load(sd, storage_reader=shardsafe.dcp.StorageReader(path))
+    dcp.load(sd, storage_reader=shardsafe.dcp.StorageReader(path, **(options or {})))
     for k in ("w", "u"):
         assert_bits(sd[k].full_tensor(), full(k, SHAPES[k]), k)
     assert_bits(sd["rep"].full_tensor(), full("rep", (5, 3), torch.bfloat16), "rep")
@@ -571,3 +573,39 @@ def test_s3_round_trip(tmp_path):
     _dcp_single(src, {"w": full("w", (64, 48))})
     shardsafe.dcp.convert(src, shardsafe.storage.open_storage(dst, **s3.options))
     assert_bits(Checkpointer().unshard(shardsafe.storage.open_storage(dst, **s3.options))["w"], full("w", (64, 48)), "w")
+
+
+def test_a_dcp_checkpoint_in_s3_converts_and_loads_directly(tmp_path):
+    """A folder DCP's FileSystemWriter wrote, uploaded to a bucket as it is: read there by
+    ``dcp.load`` through our reader on 2 ranks, and converted bucket to bucket, bit-exact."""
+    from shardsafe import ForeignCheckpointError
+    from shardsafe.storage import open_storage
+
+    from .servers import cloud
+
+    s3 = cloud("s3")
+    local = str(tmp_path / "dcp")
+    run_ranks(2, _dcp_native_save, local)
+    url = s3.url()
+    src = open_storage(url, **s3.options)
+    for name in sorted(os.listdir(local)):
+        with open(os.path.join(local, name), "rb") as f, src.write_file(name) as w:
+            w.write(memoryview(f.read()))
+    assert src.list() == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    want = ({"epoch": 4, "names": ["a", "b"]}, {"n": 2, "history": [0.0, 0.5]})
+    assert run_ranks(2, _dcp_native_load_cols, url, s3.options) == [want] * 2  # the DCP checkpoint in the bucket, read directly
+
+    with pytest.raises(ForeignCheckpointError, match=re.escape(f"{src.url}: this is a torch.distributed.checkpoint (DCP) checkpoint")):
+        Checkpointer().get_metadata(src, no_dist=True)  # named as such in an object store too
+    dst = s3.url()
+    meta = shardsafe.dcp.convert(src, open_storage(dst, **s3.options), progress=False)
+    assert meta.tensors["rep"].chunk_count() == 1
+    assert not shardsafe.verify(open_storage(dst, **s3.options)).errors
+    got = Checkpointer().unshard(open_storage(dst, **s3.options))
+    for k in ("w", "u"):
+        assert_bits(got[k], full(k, SHAPES[k]), k)
+    assert_bits(got["rep"], full("rep", (5, 3), torch.bfloat16), "rep")
+    assert_bits(got["scalar"], torch.tensor(2.5), "scalar")
+    assert got["extra.epoch"] == 4 and got["extra.names"] == ["a", "b"] and got["counter.n"] == 2
+    assert run_ranks(2, _dcp_native_load_cols, dst, s3.options) == [want] * 2  # and the converted one, through DCP

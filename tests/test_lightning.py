@@ -194,14 +194,17 @@ def _parallelize(model, mesh):
     return fully_shard(model, mesh=dp)
 
 
-def _fabric(rank, ws, path, truth_path, load):
-    """Fabric + FSDP2: train 2 steps and ``fabric.save`` on 2 ranks, or ``fabric.load`` elsewhere."""
+def _fabric(rank, ws, path, truth_path, load, own=False):
+    """Fabric + FSDP2: train 2 steps and ``fabric.save`` on 2 ranks, or ``fabric.load`` elsewhere
+    (``own``: through Lightning's own Fabric ModelParallelStrategy, DCP files and meta.pt)."""
     import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
     from torch import nn
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(ws))
-    strategy = shardsafe.lightning.FabricModelParallelStrategy(_parallelize, data_parallel_size=ws, tensor_parallel_size=1)
+    kind = ModelParallelStrategy if own else shardsafe.lightning.FabricModelParallelStrategy
+    strategy = kind(_parallelize, data_parallel_size=ws, tensor_parallel_size=1)
     fabric = L.Fabric(accelerator="cpu", devices=ws, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
@@ -285,3 +288,65 @@ def test_fabric_wrapper_names_are_not_stored(tmp_path):
     shardsafe.load_model_and_optim_state(path, plain)
     for (name, a), b in zip(plain.state_dict().items(), model.state_dict().values()):
         assert_bits(a, b, name)
+
+
+def _assert_same_model_and_optim(want_path, got_path) -> None:
+    want, got = torch.load(want_path), torch.load(got_path)
+    assert sorted(got["model"]) == sorted(want["model"]) and sorted(got["optim"]["state"]) == sorted(want["optim"]["state"])
+    for name, t in want["model"].items():
+        assert_bits(got["model"][name], t, name)
+    for name, st in want["optim"]["state"].items():
+        for k, t in st.items():
+            assert_bits(got["optim"]["state"][name][k], t, f"{name}.{k}")
+
+
+def test_a_folder_lightnings_own_fabric_strategy_wrote_loads_through_shardsafe(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _fabric, path, str(tmp_path / "saved.pt"), False, True)  # Lightning's own Fabric ModelParallelStrategy
+    assert {".metadata", "meta.pt"} <= set(os.listdir(path)) and "metadata.json" not in os.listdir(path)
+    (got,) = run_ranks(1, _fabric, path, str(tmp_path / "loaded.pt"), True)  # shardsafe's, on 1 rank
+    assert got == (2, (1.5, float("inf")), [(0.8, 0.95)])
+    _assert_same_model_and_optim(tmp_path / "saved.pt", tmp_path / "loaded.pt")
+
+
+def test_a_folder_of_lightnings_trainer_fsdp_strategy_loads_from_its_model_key(tmp_path):
+    """Lightning's Trainer FSDPStrategy (state_dict_type="sharded") stores the model under "model"
+    (its ModelParallelStrategy under "state_dict") and optimizer i under "optimizer_<i>", with the
+    rest of the checkpoint dict in meta.pt."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from shardsafe import MissingKeyError
+    from shardsafe.lightning.strategies import _load_lightning_dcp_folder
+
+    def made(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
+
+    model, optim = made(0)
+    for s in range(2):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(s))).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+    path = tmp_path / "step=2.ckpt"
+    converted = {"model": get_model_state_dict(model), "optimizer_0": get_optimizer_state_dict(model, optim)}
+    dcp.save(converted, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    torch.save({"epoch": 0, "global_step": 2, "loops": {"fit_loop": {"epoch_progress": {"current": 1}}}}, path / "meta.pt")
+
+    other, other_optim = made(1)
+    meta = _load_lightning_dcp_folder(path, other, [other_optim], strict=True)
+    assert meta == {"epoch": 0, "global_step": 2, "loops": {"fit_loop": {"epoch_progress": {"current": 1}}}}
+    for (name, a), b in zip(other.state_dict().items(), model.state_dict().values()):
+        assert_bits(a, b, name)
+    want, got = optim.state_dict(), other_optim.state_dict()
+    assert got["param_groups"] == want["param_groups"] and sorted(got["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
+    for i, st in want["state"].items():
+        for k, t in st.items():
+            assert_bits(got["state"][i][k], t, f"{i}.{k}")
+
+    bare = tmp_path / "bare"
+    dcp.save({"weights": get_model_state_dict(model)}, storage_writer=dcp.FileSystemWriter(str(bare)), no_dist=True)
+    with pytest.raises(MissingKeyError, match=r"holds its model under 'state_dict' \(ModelParallelStrategy\) or 'model' \(FSDPStrategy\); this one holds \['weights'\]"):
+        _load_lightning_dcp_folder(bare, other, [], strict=True)

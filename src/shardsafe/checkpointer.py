@@ -19,7 +19,8 @@ from .engine.bounds import check_files_hold
 from .engine.objects import decode_objects
 from .engine.reader import Reader
 from .engine.writer import async_save_state, save_state
-from .errors import DtypeMismatchError, IncompleteCheckpointError, MissingKeyError, ShapeMismatchError
+from .errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError
+from .foreign import missing_metadata_error
 from .format.metadata import METADATA_FILENAME, StorageMetadata, keys_under
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
@@ -127,8 +128,9 @@ class Checkpointer:
         Any save layout loads into any target layout. Each rank reads only the bytes its pieces
         need. Raises ``MissingKeyError``, ``ShapeMismatchError`` or ``DtypeMismatchError`` when a
         target does not match the checkpoint, ``CorruptCheckpointError`` when stored bytes fail
-        their checksum, ``IncompleteCheckpointError`` when ``dir`` holds no committed checkpoint.
-        Every element of every target tensor is overwritten, or an error is raised. Unless
+        their checksum, ``IncompleteCheckpointError`` when ``dir`` holds no committed checkpoint,
+        ``ForeignCheckpointError`` (naming the format and its converter) when it holds another
+        library's (DCP, Hugging Face, Megatron). Every element of every target tensor is overwritten, or an error is raised. Unless
         ``no_dist``, every rank of ``process_group`` (default: all ranks) calls this together;
         if any rank fails, every rank raises.
 
@@ -274,12 +276,7 @@ def _read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
         try:
             return storage.read(METADATA_FILENAME)
         except FileNotFoundError:
-            files = storage.list()
-            state = f"it holds {len(files)} file(s) but" if files else "it is empty or missing, and"
-            raise IncompleteCheckpointError(
-                f"{storage.url}: not a committed checkpoint: {state} has no {METADATA_FILENAME} "
-                "(was the save interrupted before it committed?)"
-            ) from None
+            raise missing_metadata_error(storage, METADATA_FILENAME) from None  # another library's checkpoint, or uncommitted
 
     raw = comm.broadcast(read)
     with paused_gc():

@@ -54,8 +54,10 @@ class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
 
 
 class ForeignCheckpointError(CheckpointError, ValueError):
-    """The location holds another library's checkpoint (for example Megatron-Core's
-    ``torch_dist``, whose ``metadata.json`` is a config of backends), not a shardsafe one."""
+    """The location holds another library's checkpoint, not a shardsafe one: torch.distributed.checkpoint
+    (``.metadata``, ``*.distcp``), a Hugging Face safetensors model, or Megatron's (an ``iter_*``
+    folder, whose ``metadata.json`` is a config of backends, or a run's root); the message names
+    the format and the function or command that converts or loads it."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

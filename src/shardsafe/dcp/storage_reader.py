@@ -49,7 +49,14 @@ from ..adapters import LocalTensor
 from ..engine.background import wait_for_location
 from ..engine.objects import decode_objects
 from ..engine.reader import Reader
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, ShapeMismatchError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    IncompleteCheckpointError,
+    ShapeMismatchError,
+)
+from ..foreign import missing_metadata_error
 from ..format.dtypes import dtype_name
 from ..format.metadata import METADATA_FILENAME, StorageMetadata
 from ..knobs import KNOBS, Knobs
@@ -110,6 +117,9 @@ class StorageReader(Located, _DcpStorageReader):
         try:
             raw = storage.read(DCP_METADATA)
         except FileNotFoundError:
+            foreign = missing_metadata_error(storage, METADATA_FILENAME)  # a Hugging Face model, a Megatron run's root
+            if isinstance(foreign, ForeignCheckpointError):
+                raise foreign from None
             files = storage.list()
             state = f"it holds {len(files)} file(s) but" if files else "it is empty or missing, and"
             raise IncompleteCheckpointError(

@@ -433,10 +433,13 @@ class StorageMetadata(BaseModel):
         except ValueError as e:
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
         if isinstance(doc, dict) and "format_version" not in doc and "sharded_backend" in doc:
+            from ..foreign import megatron_advice
+
+            src = where[: -len(METADATA_FILENAME) - 1] if where.endswith("/" + METADATA_FILENAME) else where
             raise ForeignCheckpointError(
                 f"{where}: this is Megatron-Core's dist_checkpointing config (sharded_backend "
                 f"{str(doc['sharded_backend'])[:40]!r}), not shardsafe's commit record: the directory holds a checkpoint "
-                "Megatron-Core wrote, which shardsafe does not read; load it with megatron.core.dist_checkpointing"
+                f"Megatron-Core wrote; {megatron_advice(src)}"
             )
         version = doc.get("format_version") if isinstance(doc, dict) else None
         if type(version) is not int or version < 1:

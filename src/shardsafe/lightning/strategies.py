@@ -137,7 +137,12 @@ class _FabricCheckpoints:
         if not isinstance(state, dict):
             raise TypeError(f"{type(self).__name__}.load_checkpoint: pass state={{'model': model, ...}} (a dict)")
         module, optims, rest = _split_state(state, str(path))
-        meta = load_checkpoint(path, module, optims, strict=strict, allow_pickle=self.allow_pickle)
+        if is_lightning_dcp_folder(path):  # Fabric's own sharded save: DCP files under the state's keys, and meta.pt
+            name_of = {id(v): k for k, v in state.items()}
+            optim_keys = [name_of[id(o)] for o in optims]
+            meta = _load_lightning_dcp_folder(path, module, optims, strict=strict, model_key=name_of[id(module)], optim_keys=optim_keys)
+        else:
+            meta = load_checkpoint(path, module, optims, strict=strict, allow_pickle=self.allow_pickle)
         for key, obj in rest.items():
             if key not in meta:
                 if strict:
@@ -154,7 +159,8 @@ class _FabricCheckpoints:
 
 class FabricModelParallelStrategy(_FabricCheckpoints, _FabricModelParallel):
     """Fabric's ``ModelParallelStrategy`` (FSDP2 / TP) with ``fabric.save`` and ``fabric.load``
-    through shardsafe. Same arguments as Fabric's, plus ``allow_pickle``."""
+    through shardsafe. Same arguments as Fabric's, plus ``allow_pickle``. A folder Lightning's
+    own Fabric strategy wrote (DCP files under the state's keys, and ``meta.pt``) loads too."""
 
     def __init__(self, *args: Any, allow_pickle: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -185,9 +191,21 @@ def _split_state(state: dict[str, Any], where: str) -> tuple[nn.Module, list[tor
     return modules[0], optims, rest
 
 
-def _load_lightning_dcp_folder(path: Path, module: nn.Module, optims: list[torch.optim.Optimizer], *, strict: bool) -> dict[str, Any]:
+def _load_lightning_dcp_folder(
+    path: Path,
+    module: nn.Module,
+    optims: list[torch.optim.Optimizer],
+    *,
+    strict: bool,
+    model_key: str | None = None,
+    optim_keys: list[str] | None = None,
+) -> dict[str, Any]:
     """A folder Lightning's own sharded save wrote: the DCP files through shardsafe's reader
-    (checksums where stored, an allowlisted ``.metadata``), ``meta.pt`` with ``weights_only=True``."""
+    (checksums where stored, an allowlisted ``.metadata``), ``meta.pt`` with ``weights_only=True``.
+
+    The model is under ``model_key`` and the optimizers under ``optim_keys`` (Fabric: the keys of
+    the state the user saved); by default under what the ``.metadata`` holds: ``"state_dict"``
+    (the Trainer's ModelParallelStrategy) or ``"model"`` (its FSDPStrategy), and ``"optimizer_<i>"``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -198,14 +216,27 @@ def _load_lightning_dcp_folder(path: Path, module: nn.Module, optims: list[torch
     )
 
     from ..dcp import StorageReader
+    from ..errors import MissingKeyError
     from ._checkpoint import LIGHTNING_META_FILE
 
-    model_state = {"state_dict": get_model_state_dict(module)}
+    stored = {key.split(".", 1)[0] for key in StorageReader(str(path)).read_metadata().state_dict_metadata}
+    if model_key is None:
+        model_key = next((k for k in ("state_dict", "model") if k in stored), None)
+        if model_key is None:
+            raise MissingKeyError(
+                f"{path}: a Lightning sharded checkpoint holds its model under 'state_dict' (ModelParallelStrategy) or 'model' "
+                f"(FSDPStrategy); this one holds {sorted(stored)}"
+            )
+    optim_keys = optim_keys if optim_keys is not None else [f"optimizer_{i}" for i in range(len(optims))]
+    for key in (model_key, *optim_keys):
+        if key not in stored:
+            raise MissingKeyError(f"{path}: the checkpoint holds no {key!r} (it holds {sorted(stored)})")
+    model_state = {model_key: get_model_state_dict(module)}
     dcp.load(model_state, storage_reader=StorageReader(str(path)))
-    set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=strict))
-    for i, optim in enumerate(optims):
-        optim_state = {f"optimizer_{i}": get_optimizer_state_dict(module, optim)}
+    set_model_state_dict(module, model_state[model_key], options=StateDictOptions(strict=strict))
+    for key, optim in zip(optim_keys, optims):
+        optim_state = {key: get_optimizer_state_dict(module, optim)}
         dcp.load(optim_state, storage_reader=StorageReader(str(path)))
-        set_optimizer_state_dict(module, optim, optim_state_dict=optim_state[f"optimizer_{i}"])
+        set_optimizer_state_dict(module, optim, optim_state_dict=optim_state[key])
     meta_file = path / LIGHTNING_META_FILE
     return torch.load(meta_file, map_location="cpu", weights_only=True) if meta_file.is_file() else {}

@@ -261,6 +261,8 @@ class LocalStorage:
                 os.close(fd)
         except FileNotFoundError:
             raise
+        except NotADirectoryError:  # the root is a file (a model.safetensors named as a checkpoint): nothing is in it
+            raise FileNotFoundError(errno.ENOENT, "no such file: the location is not a directory", path) from None
         except OSError as e:
             raise StorageError(f"{path}: cannot read: {e.strerror}") from e
 

@@ -479,6 +479,8 @@ def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool) -> StorageMetada
         return Checkpointer().get_metadata(location(checkpoint_dir), no_dist=no_dist)
     except ForeignCheckpointError as e:
         config = maybe_load_config(str(checkpoint_dir))
+        if config is None:  # not Megatron's: a DCP or Hugging Face checkpoint, named by the error
+            raise NotADistributedCheckpointError(f"{checkpoint_dir} is not a distributed checkpoint: {e}") from e
         backend = config.sharded_backend if config is not None else "unknown"
         raise CheckpointingException(
             f"{checkpoint_dir} holds a checkpoint Megatron-Core wrote (sharded_backend {backend!r}), not a shardsafe one: "
