@@ -169,8 +169,8 @@ def consolidate(
     lightning.pytorch.utilities.consolidate_checkpoint`` writes (``optimizer_states`` only when
     an optimizer was saved). Needs no process group and no Lightning.
 
-    With ``out``, the file is written there and counts are returned: ``tensors`` (unsharded
-    tensors written), ``bytes`` (their data), ``file_bytes``. The file is the one ``torch.save``
+    With ``out``, the file is written there and counts are returned: ``tensors`` (tensors
+    written), ``bytes`` (their data), ``file_bytes``. The file is the one ``torch.save``
     writes (byte for byte, to a file object; ``torch.load(out, weights_only=True)`` and
     ``torch.load(out, mmap=True, weights_only=True)`` read it), streamed: the tensors are read
     from the checkpoint and written one at a time through one buffer, so peak memory is about
@@ -179,9 +179,9 @@ def consolidate(
     fsynced temporary file renamed into place; an object-store URL is uploaded as it is written
     and appears once complete); an existing one is replaced only with ``overwrite=True``.
     ``progress``: ``True`` draws a bar on stderr; a callable gets ``(bytes written, bytes in
-    all)`` of tensor data. On a torch whose private serialization names it relies on are gone
-    (all are in torch 2.4 to 2.13), the file is built in memory and written with ``torch.save``,
-    with a logged warning.
+    all)`` of tensor data. On a torch that lacks the private serialization names the streaming
+    relies on (:func:`shardsafe.lightning._torch_file.missing_api`; tested with torch 2.13),
+    the file is built in memory and written with ``torch.save``, with a logged warning.
 
     Without ``out``, the checkpoint dict itself is returned, every tensor in memory.
 
@@ -195,22 +195,28 @@ def consolidate(
     check_bool("consolidate", "allow_pickle", allow_pickle)
     check_arg("consolidate", "knobs", knobs, Knobs, optional=True)
     knobs = knobs or KNOBS
+    show = progress_callback(progress, "consolidate")
+    output = _Output(os.fspath(out), overwrite=overwrite, knobs=knobs) if out is not None else None  # refuses an existing one first
+    storage: Storage | None = None
     if is_lightning_dcp_folder(dir):
         structure: dict[str, Any] = _consolidate_lightning_dcp_folder(str(dir), allow_pickle)
-        storage, meta = None, None
     else:
         storage = open_storage(dir)
         meta = Checkpointer().get_metadata(storage, no_dist=True)
         structure = _lightning_structure(storage, meta, allow_pickle)
-    lazy = [t for t in _leaves(structure) if isinstance(t, LazyTensor)]
-    if storage is not None:
-        check_files_hold(storage, ((t.source, meta.tensors[t.source]) for t in lazy))  # type: ignore[union-attr]  # before allocating
-    if out is None:
-        with Reader(storage, knobs) if storage is not None else nullcontext() as reader:
-            return _materialized(structure, lambda t, target: _fill(reader, meta, t, target))  # type: ignore[arg-type]
+        check_files_hold(storage, ((t.source, meta.tensors[t.source]) for t in _leaves(structure) if isinstance(t, LazyTensor)))
+
+    def fill(t: LazyTensor, target: torch.Tensor) -> None:  # a stored tensor, unsharded into target
+        (lt,), _ = describe_state({t.source: target})
+        reader.load_tensor(meta.tensors[t.source], lt)
+
+    reader_or_none = Reader(storage, knobs) if storage is not None else nullcontext()
+    if output is None:
+        with reader_or_none as reader:
+            return _materialized(structure, fill)
     started = time.monotonic()
-    total = sum(t.nbytes for t in lazy)
-    show = progress_callback(progress, "consolidate")
+    tensors = [t for t in _leaves(structure) if isinstance(t, (LazyTensor, torch.Tensor))]
+    total = sum(t.nbytes for t in tensors)
     written = [0]
 
     def done(nbytes: int) -> None:
@@ -220,28 +226,27 @@ def consolidate(
 
     if show is not None:
         show(0, total)
-    output = _Output(os.fspath(out), overwrite=overwrite, knobs=knobs)
     reason = missing_api()
     ok = False
     try:
-        with output.writer() as w, Reader(storage, knobs) if storage is not None else nullcontext() as reader:
-            fill = lambda t, target: _fill(reader, meta, t, target)  # noqa: E731
+        with output.writer() as w, reader_or_none as reader:
             if reason is None:
                 size = save_streamed(structure, w, fill, done=done)
             else:
                 log.warning("shardsafe.lightning.consolidate: %s; the whole checkpoint is built in memory to be written", reason)
                 sink = FileObject(w)
                 torch.save(_materialized(structure, fill), sink)
-                done(total)
                 size = sink.size
         output.publish()
         ok = True
     finally:
         if not ok:
             output.discard()
+    if show is not None and written[0] < total:
+        show(total, total)  # tensors already in memory (a Lightning DCP folder, values) are written, too
     seconds = time.monotonic() - started
-    log.info("consolidate %s -> %s: %d tensors, %d bytes, %.2f s", dir, output.where, len(lazy), total, seconds)
-    return {"tensors": len(lazy), "bytes": total, "file_bytes": size}
+    log.info("consolidate %s -> %s: %d tensors, %d bytes, %.2f s", dir, output.where, len(tensors), total, seconds)
+    return {"tensors": len(tensors), "bytes": total, "file_bytes": size}
 
 
 def _lightning_structure(storage: Storage, meta: StorageMetadata, allow_pickle: bool) -> dict[str, Any]:
@@ -303,11 +308,6 @@ def _materialized(value: Any, fill: Callable[[LazyTensor, torch.Tensor], None]) 
     if type(value) in (list, tuple):
         return type(value)(_materialized(v, fill) for v in value)
     return value
-
-
-def _fill(reader: Reader, meta: StorageMetadata, t: LazyTensor, target: torch.Tensor) -> None:
-    (lt,), _ = describe_state({t.source: target})
-    reader.load_tensor(meta.tensors[t.source], lt)
 
 
 def _consolidate_lightning_dcp_folder(path: str, allow_pickle: bool) -> dict[str, Any]:
