@@ -198,6 +198,7 @@ def consolidate(
     show = progress_callback(progress, "consolidate")
     output = _Output(os.fspath(out), overwrite=overwrite, knobs=knobs) if out is not None else None  # refuses an existing one first
     storage: Storage | None = None
+    meta: StorageMetadata | None = None
     if is_lightning_dcp_folder(dir):
         structure: dict[str, Any] = _consolidate_lightning_dcp_folder(str(dir), allow_pickle)
     else:
@@ -208,7 +209,7 @@ def consolidate(
 
     def fill(t: LazyTensor, target: torch.Tensor) -> None:  # a stored tensor, unsharded into target
         (lt,), _ = describe_state({t.source: target})
-        reader.load_tensor(meta.tensors[t.source], lt)
+        reader.load_tensor(meta.tensors[t.source], lt)  # type: ignore[union-attr]  # (placeholders only come with meta)
 
     reader_or_none = Reader(storage, knobs) if storage is not None else nullcontext()
     if output is None:
