@@ -8,7 +8,9 @@ Lightning's own checkpoint dicts.
 
 from __future__ import annotations
 
+import io
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,13 @@ def test_a_folder_lightnings_own_strategy_wrote_resumes_through_shardsafe(tmp_pa
     from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
     ours = shardsafe.lightning.consolidate(step4)
+    out = tmp_path / "step=4.ckpt.consolidated"
+    counts = shardsafe.lightning.consolidate(step4, out)
+    f = io.BytesIO()
+    torch.save(ours, f)
+    assert out.read_bytes() == f.getvalue()  # the file torch.save writes for the dict
+    with zipfile.ZipFile(out) as z:
+        assert counts["tensors"] == _count_tensors(ours) == len([n for n in z.namelist() if "/data/" in n])
     theirs = _load_distributed_checkpoint(Path(step4))
     theirs.setdefault("model", theirs.pop("state_dict"))  # (their tool expects FSDPStrategy's name)
     theirs = _format_checkpoint(theirs)
@@ -156,6 +165,16 @@ def test_a_folder_lightnings_own_strategy_wrote_resumes_through_shardsafe(tmp_pa
     for name, st in want["state"].items():
         for k, t in st.items():
             assert_bits(mine["state"][name][k], t, f"{name}.{k}")
+
+
+def _count_tensors(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return 1
+    if isinstance(value, dict):
+        return sum(_count_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_count_tensors(v) for v in value)
+    return 0
 
 
 def test_consolidate_writes_lightnings_single_file_layout(tmp_path):

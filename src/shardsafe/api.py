@@ -272,14 +272,21 @@ def unshard_optim_state(
     flat, comm = _unshard_prefix("unshard_optim_state", dir, "optim.", what, device, rank0_only, no_dist, knobs, process_group)
     if not flat and rank0_only and comm.rank != 0:
         return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
+    return optim_state_of(flat, _where(dir))
+
+
+def optim_state_of(flat: dict[str, Any], where: str) -> dict[str, Any]:
+    """:func:`unshard_optim_state`'s result from the values stored under ``optim.`` (prefix
+    removed, tensors first as the unshard gives them); the tensors may be any objects standing in
+    for them (``shardsafe.lightning.consolidate`` passes placeholders). Consumes ``flat``."""
     name = GROUPS_KEY[len("optim.") :]
     groups = flat.pop(name, None)
     if groups is None:  # written by DCP (get_state_dict): param_groups.<i>.<field>
         dotted = {k: flat.pop(k) for k in [k for k in flat if k.startswith(name + ".")]}
-        groups = dotted_param_groups(dotted, name + ".", _where(dir))
+        groups = dotted_param_groups(dotted, name + ".", where)
     if groups is None:
-        raise CheckpointError(f"{_where(dir)}: no optimizer state in the checkpoint (no {GROUPS_KEY!r})")
-    groups = check_param_groups(groups, _where(dir))
+        raise CheckpointError(f"{where}: no optimizer state in the checkpoint (no {GROUPS_KEY!r})")
+    groups = check_param_groups(groups, where)
     fqns = {f for g in groups for f in g["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():

@@ -1,4 +1,4 @@
-"""The ``shardsafe`` command line: look at, check, compare and convert checkpoints from a shell.
+"""The ``shardsafe`` command line: look at, check, compare, export and convert checkpoints from a shell.
 
 Thin over the library. Exit status: 0 when all is well, 1 when ``verify`` finds damage or
 ``diff`` finds differences, 2 on an error (the message is printed, no traceback: ``--debug``
@@ -266,6 +266,18 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------- consolidate
+
+
+def cmd_consolidate(args: argparse.Namespace, out: _Out) -> int:
+    from .lightning import consolidate
+
+    counts = consolidate(args.dir, args.out, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=out.progress("consolidate"))
+    out.doc({"dir": args.dir, "out": args.out, **counts})
+    out.line(f"consolidated {counts['tensors']} tensors ({_human(counts['bytes'])}) from {args.dir} into {args.out} ({_human(counts['file_bytes'])})")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------- convert
 
 
@@ -307,7 +319,7 @@ def _parser() -> argparse.ArgumentParser:
     common = options(argparse.SUPPRESS)
     p = argparse.ArgumentParser(
         prog="shardsafe",
-        description="Inspect, verify, compare, export and convert shardsafe checkpoints. Exit status: 0 ok, "
+        description="Inspect, verify, compare, export, consolidate and convert shardsafe checkpoints. Exit status: 0 ok, "
         "1 damage (verify) or differences (diff) found, 2 error.",
         parents=[options(False)],
     )
@@ -348,6 +360,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating-point tensors to this dtype")
     s.add_argument("--overwrite", action="store_true", help="replace an existing output")
     s.set_defaults(run=cmd_export)
+
+    s = sub.add_parser("consolidate", parents=[common], help="to one torch.save file, as Lightning's consolidate_checkpoint",
+                       description="Write the single-file checkpoint Lightning users load with torch.load(OUT)[\"state_dict\"] "
+                       "(state_dict, optimizer_states and the rest of the checkpoint dict), from a checkpoint of "
+                       "shardsafe.lightning or save_model_and_optim_state, or a folder Lightning's own sharded save wrote. "
+                       "Replaces python -m lightning.pytorch.utilities.consolidate_checkpoint. A shardsafe checkpoint is streamed "
+                       "one tensor at a time (memory: about the largest tensor), every chunk checked; OUT appears atomically.")
+    s.add_argument("dir", help="checkpoint directory or URL")
+    s.add_argument("out", help="the file to write (a path or URL)")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    s.add_argument("--allow-pickle", action="store_true", help="read values stored with pickle (trusted checkpoints only)")
+    s.set_defaults(run=cmd_consolidate)
 
     s = sub.add_parser("convert", parents=[common], help="into a shardsafe checkpoint",
                        description="Convert a torch.distributed.checkpoint folder (dcp), a megatron-core torch_dist or zarr checkpoint "

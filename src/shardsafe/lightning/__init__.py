@@ -9,7 +9,8 @@ One argument switches a Lightning run to shardsafe checkpoints::
 
 - :func:`consolidate`: a shardsafe checkpoint as the single-file checkpoint Lightning users load
   with ``torch.load(...)["state_dict"]`` (replaces ``python -m
-  lightning.pytorch.utilities.consolidate_checkpoint``); needs no Lightning.
+  lightning.pytorch.utilities.consolidate_checkpoint``), streamed one tensor at a time; needs no
+  Lightning. Also ``shardsafe consolidate DIR OUT``.
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`read_meta`: the functions the
   strategies call, for code of your own.
 

@@ -15,23 +15,32 @@ scheduler states, hyper-parameters. shardsafe stores it as one checkpoint, one a
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from .._progress import progress_callback
+from ..adapters import describe_state
 from ..api import _load_state, model_and_optim_values
 from ..checkpointer import Checkpointer
 from ..dist import get_comm
+from ..engine.bounds import check_files_hold
+from ..engine.consolidate import _Output
 from ..engine.objects import decode_objects
+from ..engine.reader import Reader
 from ..errors import CheckpointError, CorruptCheckpointError, MissingKeyError
-from ..format.metadata import StorageMetadata
-from ..knobs import Knobs
-from ..storage import Location, open_storage
+from ..format.metadata import StorageMetadata, keys_under
+from ..knobs import KNOBS, Knobs
+from ..storage import Location, Storage, open_storage
 from ..storage.base import DCP_METADATA
+from ._torch_file import FileObject, LazyTensor, missing_api, save_streamed
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -40,6 +49,8 @@ __all__ = ["META_KEY", "is_lightning_dcp_folder", "is_shardsafe_checkpoint", "lo
 
 META_KEY = "lightning.meta"
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's loop state beside a DCP checkpoint (torch.save'd)
+log = logging.getLogger(__name__)
+
 _OPT_IN = "or pass allow_pickle=True to the shardsafe.lightning strategy to store it with pickle"
 
 
@@ -142,32 +153,162 @@ def _decode_meta(meta: StorageMetadata, where: str, allow_pickle: bool) -> dict[
     return value
 
 
-def consolidate(dir: Location, out: str | os.PathLike | None = None, *, allow_pickle: bool = False) -> dict[str, Any]:
+def consolidate(
+    dir: Location,
+    out: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    progress: bool | Callable[[int, int], None] | None = None,
+    knobs: Knobs | None = None,
+) -> dict[str, Any]:
     """The single-file checkpoint Lightning users load with ``torch.load(...)["state_dict"]``, from a
     checkpoint of :func:`save_checkpoint` (or of :func:`shardsafe.save_model_and_optim_state`):
-    ``{"state_dict": {name: tensor}, "optimizer_states": [{"state": {name: {...}}, "param_groups":
-    [...]}], **the rest of the checkpoint dict}``, what ``python -m
-    lightning.pytorch.utilities.consolidate_checkpoint`` writes. Written to ``out`` with
-    ``torch.save`` when given; returned either way. Needs no process group and no Lightning.
+    ``{**the rest of the checkpoint dict, "state_dict": {name: tensor}, "optimizer_states":
+    [{"state": {name: {...}}, "param_groups": [...]}]}``, what ``python -m
+    lightning.pytorch.utilities.consolidate_checkpoint`` writes (``optimizer_states`` only when
+    an optimizer was saved). Needs no process group and no Lightning.
 
-    A folder Lightning's own sharded save wrote (DCP files and ``meta.pt``) consolidates too: its
-    ``.metadata`` is read through :mod:`shardsafe.dcp`'s allowlist and ``meta.pt`` with
-    ``torch.load(weights_only=True)`` (Lightning's own tool unpickles both)."""
-    from ..adapters.optim import stored_param_groups
-    from ..api import unshard_model_state, unshard_optim_state
+    With ``out``, the file is written there and counts are returned: ``tensors`` (tensors
+    written), ``bytes`` (their data), ``file_bytes``. The file is the one ``torch.save``
+    writes (byte for byte, to a file object; ``torch.load(out, weights_only=True)`` and
+    ``torch.load(out, mmap=True, weights_only=True)`` read it), streamed: the tensors are read
+    from the checkpoint and written one at a time through one buffer, so peak memory is about
+    the largest tensor (plus the reader's bounded scratch, ``knobs.read_buffer_bytes``), not the
+    checkpoint. Every chunk is checked against its checksums. ``out`` appears atomically (an
+    fsynced temporary file renamed into place; an object-store URL is uploaded as it is written
+    and appears once complete); an existing one is replaced only with ``overwrite=True``.
+    ``progress``: ``True`` draws a bar on stderr; a callable gets ``(bytes written, bytes in
+    all)`` of tensor data. On a torch that lacks the private serialization names the streaming
+    relies on (:func:`shardsafe.lightning._torch_file.missing_api`; tested with torch 2.13),
+    the file is built in memory and written with ``torch.save``, with a logged warning.
 
+    Without ``out``, the checkpoint dict itself is returned, every tensor in memory.
+
+    A folder Lightning's own sharded save wrote (DCP files and ``meta.pt``) consolidates too, in
+    memory: its ``.metadata`` is read through :mod:`shardsafe.dcp`'s allowlist and ``meta.pt``
+    with ``torch.load(weights_only=True)`` (Lightning's own tool unpickles both)."""
+    from .._args import check_arg, check_bool
+
+    check_arg("consolidate", "out", out, (str, os.PathLike), optional=True)
+    check_bool("consolidate", "overwrite", overwrite)
+    check_bool("consolidate", "allow_pickle", allow_pickle)
+    check_arg("consolidate", "knobs", knobs, Knobs, optional=True)
+    knobs = knobs or KNOBS
+    show = progress_callback(progress, "consolidate")
+    output = _Output(os.fspath(out), overwrite=overwrite, knobs=knobs) if out is not None else None  # refuses an existing one first
+    storage: Storage | None = None
+    meta: StorageMetadata | None = None
     if is_lightning_dcp_folder(dir):
-        result = _consolidate_lightning_dcp_folder(str(dir), allow_pickle)
+        structure: dict[str, Any] = _consolidate_lightning_dcp_folder(str(dir), allow_pickle)
     else:
         storage = open_storage(dir)
         meta = Checkpointer().get_metadata(storage, no_dist=True)
-        result = _decode_meta(meta, storage.url, allow_pickle) if META_KEY in meta.objects else {}
-        result["state_dict"] = unshard_model_state(storage, device="cpu", no_dist=True)
-        if stored_param_groups(meta, storage.url) is not None:
-            result["optimizer_states"] = [unshard_optim_state(storage, device="cpu", no_dist=True)]
-    if out is not None:
-        torch.save(result, out)
+        structure = _lightning_structure(storage, meta, allow_pickle)
+        check_files_hold(storage, ((t.source, meta.tensors[t.source]) for t in _leaves(structure) if isinstance(t, LazyTensor)))
+
+    def fill(t: LazyTensor, target: torch.Tensor) -> None:  # a stored tensor, unsharded into target
+        (lt,), _ = describe_state({t.source: target})
+        reader.load_tensor(meta.tensors[t.source], lt)  # type: ignore[union-attr]  # (placeholders only come with meta)
+
+    reader_or_none = Reader(storage, knobs) if storage is not None else nullcontext()
+    if output is None:
+        with reader_or_none as reader:
+            return _materialized(structure, fill)
+    started = time.monotonic()
+    tensors = [t for t in _leaves(structure) if isinstance(t, (LazyTensor, torch.Tensor))]
+    total = sum(t.nbytes for t in tensors)
+    written = [0]
+
+    def done(nbytes: int) -> None:
+        written[0] += nbytes
+        if show is not None:
+            show(written[0], total)
+
+    if show is not None:
+        show(0, total)
+    reason = missing_api()
+    ok = False
+    try:
+        with output.writer() as w, reader_or_none as reader:
+            if reason is None:
+                size = save_streamed(structure, w, fill, done=done)
+            else:
+                log.warning("shardsafe.lightning.consolidate: %s; the whole checkpoint is built in memory to be written", reason)
+                sink = FileObject(w)
+                torch.save(_materialized(structure, fill), sink)
+                size = sink.size
+        output.publish()
+        ok = True
+    finally:
+        if not ok:
+            output.discard()
+    if show is not None and written[0] < total:
+        show(total, total)  # tensors already in memory (a Lightning DCP folder, values) are written, too
+    seconds = time.monotonic() - started
+    log.info("consolidate %s -> %s: %d tensors, %d bytes, %.2f s", dir, output.where, len(tensors), total, seconds)
+    return {"tensors": len(tensors), "bytes": total, "file_bytes": size}
+
+
+def _lightning_structure(storage: Storage, meta: StorageMetadata, allow_pickle: bool) -> dict[str, Any]:
+    """The consolidated checkpoint dict of a shardsafe checkpoint, with :class:`LazyTensor`
+    placeholders (``source``: the stored key) for the stored tensors: the rest of the checkpoint
+    dict, then ``state_dict`` (as :func:`shardsafe.unshard_model_state` gives it) and
+    ``optimizer_states`` (``[`` :func:`shardsafe.unshard_optim_state` ``]``, when an optimizer
+    was saved), in that order."""
+    from ..adapters.optim import stored_param_groups
+    from ..api import MODEL_PREFIX, optim_state_of
+
+    result = _decode_meta(meta, storage.url, allow_pickle) if META_KEY in meta.objects else {}
+    result["state_dict"] = _lazy_values(storage, meta, MODEL_PREFIX, allow_pickle)
+    if not result["state_dict"]:
+        stored = sorted([*meta.tensors, *meta.objects, *meta.pickled_objects])
+        raise MissingKeyError(
+            f"{storage.url}: no model state in the checkpoint (no key starts with {MODEL_PREFIX!r}; it holds "
+            f"{len(stored)} key(s){f', such as {stored[:5]}' if stored else ''}); was it saved by shardsafe.lightning "
+            "or shardsafe.save_model_and_optim_state?"
+        )
+    if stored_param_groups(meta, storage.url) is not None:
+        result["optimizer_states"] = [optim_state_of(_lazy_values(storage, meta, "optim.", allow_pickle), storage.url)]
     return result
+
+
+def _lazy_values(storage: Storage, meta: StorageMetadata, prefix: str, allow_pickle: bool) -> dict[str, Any]:
+    """The keys under ``prefix``, prefix removed, as the unshard gives them: the tensors (as
+    placeholders) first, then the values."""
+    out: dict[str, Any] = {
+        name: LazyTensor(meta.tensors[key].torch_dtype, tuple(meta.tensors[key].shape), key)
+        for name, key in keys_under(meta.tensors, prefix).items()
+    }
+    wanted = keys_under([*meta.objects, *meta.pickled_objects], prefix)
+    opt_in = "pass allow_pickle=True to shardsafe.lightning.consolidate only if you trust this checkpoint"
+    values = decode_objects(meta.objects, meta.pickled_objects, list(wanted.values()), allow_pickle=allow_pickle, where=storage.url, opt_in=opt_in)
+    out.update((name, values[key]) for name, key in wanted.items())
+    return out
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def _materialized(value: Any, fill: Callable[[LazyTensor, torch.Tensor], None]) -> Any:
+    """``value`` with every placeholder replaced by a tensor of its own, filled."""
+    if isinstance(value, LazyTensor):
+        full = torch.empty(value.shape, dtype=value.dtype)
+        fill(value, full)
+        return full
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _materialized(v, fill)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_materialized(v, fill) for v in value)
+    return value
 
 
 def _consolidate_lightning_dcp_folder(path: str, allow_pickle: bool) -> dict[str, Any]:
