@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,19 +132,74 @@ def _corrupt(d: Path, key: str) -> None:
 
 
 def test_verify_corrupt_names_file_and_key(ckpt, capsys):
+    """Damage exits 1 with or without --all (2 is for errors), a BAD line naming the file and the
+    key; without --all verify stops at the first bad chunk, counting what it checked up to there."""
     _corrupt(ckpt, "model.w")
     _corrupt(ckpt, "model.b")
-    assert main(["verify", str(ckpt)]) == 2
+    bad_w = f"{_data_file(ckpt)}: key 'model.w': checksum mismatch in chunk "
+    assert main(["verify", str(ckpt)]) == 1
     got = capsys.readouterr()
-    assert got.out == ""
-    assert got.err.startswith(f"shardsafe verify: error: {_data_file(ckpt)}: key 'model.w': checksum mismatch in chunk ")
+    assert got.err == ""
+    out = got.out.splitlines()
+    assert len(out) == 2 and out[0].startswith(f"BAD  {bad_w}") and out[0].endswith("the file is damaged")
+    assert out[1] == "FAILED: stopped at the first problem (--all lists every one): 1 file(s), 1 chunk(s), 128 bytes checked"
+    assert main(["verify", str(ckpt), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc == {"location": str(ckpt), "ok": False, "files": 1, "chunks": 1, "bytes": 128, "errors": [out[0].removeprefix("BAD  ")]}
     assert main(["verify", str(ckpt), "--all"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert [ln.split(": checksum")[0] for ln in out[:2]] == [f"BAD  {_data_file(ckpt)}: key 'model.w'", f"BAD  {_data_file(ckpt)}: key 'model.b'"]
-    assert out[2] == "FAILED: 2 problem(s): 1 file(s), 3 chunk(s), 6 bytes checked"
+    assert out[2] == "FAILED: 2 problem(s): 1 file(s), 3 chunk(s), 174 bytes checked"  # the bad chunks' 128 + 40 bytes too
     assert main(["verify", str(ckpt), "--all", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    assert doc["ok"] is False and len(doc["errors"]) == 2
+    assert doc.keys() == {"location", "ok", "files", "chunks", "bytes", "errors"}
+    assert (doc["ok"], doc["files"], doc["chunks"], doc["bytes"]) == (False, 1, 3, 174)
+    assert [e.split(": checksum")[0] for e in doc["errors"]] == [f"{_data_file(ckpt)}: key 'model.w'", f"{_data_file(ckpt)}: key 'model.b'"]
+    with pytest.raises(shardsafe.CorruptCheckpointError, match=f"^{re.escape(bad_w)}"):  # the library still raises
+        shardsafe.verify(ckpt)
+
+
+def test_verify_progress_reaches_the_total_past_bad_chunks(ckpt):
+    _corrupt(ckpt, "model.w")
+    seen: list[tuple[int, int]] = []
+    report = shardsafe.verify(ckpt, collect_all=True, progress=lambda done, total: seen.append((done, total)))
+    assert (report.chunks, report.bytes, len(report.errors)) == (3, 174, 1)
+    assert seen[-1] == (174, 174)  # the bar closes, the bad chunk counted as done
+
+
+def test_verify_stops_at_the_first_problem_with_threads(tmp_path, capsys):
+    from .simulate import simulate_save
+
+    d = tmp_path / "two"
+    simulate_save(str(d), [{"a": torch.arange(50.0)}, {"b": torch.arange(30.0)}])  # one data file per rank
+    meta = Checkpointer().get_metadata(d, no_dist=True)
+    files = sorted(meta.data_files())
+    assert len(files) == 2
+    _corrupt(d, "a")
+    _corrupt(d, "b")
+    assert main(["verify", str(d), "--threads", "2", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    (error,) = doc["errors"]  # one problem reported: each file stops at its first, the other at its next chunk
+    assert re.match(rf"{re.escape(str(d))}/({'|'.join(map(re.escape, files))}): key '[ab]': checksum mismatch", error), error
+    assert main(["verify", str(d), "--all", "--threads", "2", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["files"], doc["chunks"], doc["bytes"], len(doc["errors"])) == (2, 2, 80 * 4, 2)
+    assert main(["verify", str(d), "--json"]) == 1  # one thread: the first file in name order, the second not counted
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["files"], doc["chunks"], doc["bytes"]) == (1, 1, 200 if "key 'a'" in doc["errors"][0] else 120)
+    assert doc["errors"][0].startswith(f"{d}/{files[0]}: key ")
+
+
+def test_verify_damaged_metadata_is_damage(ckpt, capsys):
+    raw = bytearray((ckpt / "metadata.json").read_bytes())
+    i = raw.index(b'"model.w"')
+    raw[i + 7] = ord("x")  # "model.x": still JSON, the checksum no longer matches
+    (ckpt / "metadata.json").write_bytes(bytes(raw))
+    for extra in ([], ["--all"]):
+        assert main(["verify", str(ckpt), *extra]) == 1
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith(f"BAD  {ckpt / 'metadata.json'}: checksum mismatch: metadata_checksum says ")
+        assert out[1].endswith(": 0 file(s), 0 chunk(s), 0 bytes checked")
 
 
 # ------------------------------------------------------------------ diff

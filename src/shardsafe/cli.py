@@ -148,13 +148,22 @@ def _brief(v: Any, width: int = 60) -> str:
 
 
 def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
-    from .verify import verify
+    from .errors import CorruptCheckpointError
+    from .verify import VerifyReport, verify_report
 
-    report = verify(args.dir, collect_all=args.all, threads=args.threads, progress=out.progress("verify"))
+    try:
+        report = verify_report(args.dir, stop_at_first=not args.all, threads=args.threads, progress=out.progress("verify"))
+    except CorruptCheckpointError as e:  # metadata.json itself is damaged: damage found, nothing else checkable
+        report = VerifyReport(errors=[str(e)])
     out.doc({"location": args.dir, "ok": report.ok, "files": report.files, "chunks": report.chunks, "bytes": report.bytes, "errors": report.errors})
     for e in report.errors:
         out.line(f"BAD  {e}")
-    status = "OK" if report.ok else f"FAILED: {len(report.errors)} problem(s)"
+    if report.ok:
+        status = "OK"
+    elif args.all:
+        status = f"FAILED: {len(report.errors)} problem(s)"
+    else:
+        status = "FAILED: stopped at the first problem (--all lists every one)"
     out.line(f"{status}: {report.files} file(s), {report.chunks} chunk(s), {report.bytes} bytes checked")
     return EXIT_OK if report.ok else EXIT_FOUND
 
@@ -322,7 +331,8 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(run=cmd_inspect)
 
     s = sub.add_parser("verify", parents=[common], help="read every byte and check every checksum",
-                       description="Read every chunk and check it against its checksums; exit 0 only when all is well.")
+                       description="Read every chunk and check it against its checksums. Exit 0 when all is well, 1 on damage "
+                       "(a BAD line per problem, naming the file and key; without --all it stops at the first), 2 on an error.")
     s.add_argument("dir", help="checkpoint directory or URL")
     s.add_argument("--all", action="store_true", help="list every bad chunk instead of stopping at the first")
     s.add_argument("--threads", type=_positive, default=1, metavar="N", help="data files checked at once (default 1)")
