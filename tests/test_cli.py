@@ -70,6 +70,9 @@ def test_inspect_prints_the_table(ckpt, capsys):
         "tensors         3 (174 B)",
         "values          2 JSON, 0 pickled",
         "",
+        f"{'file'.ljust(len(entry['name']))}  {'bytes'.ljust(len(str(size)))}  size",
+        f"{entry['name']}  {str(size).ljust(5)}  {size} B",
+        "",
         "key      shape   dtype     bytes  chunks  sharded",
         "model.b  [5]     int64     40     1       no",
         "model.h  [3]     bfloat16  6      1       no",
@@ -79,6 +82,30 @@ def test_inspect_prints_the_table(ckpt, capsys):
         'cfg    {"lr":0.1}',
         "step   3",
     ]
+
+
+def test_inspect_lists_every_data_file_with_its_size(tmp_path, capsys):
+    from .simulate import simulate_save
+
+    d = tmp_path / "two"
+    simulate_save(str(d), [{"a": torch.arange(2000.0)}, {"b": torch.arange(30.0)}])  # one data file per rank
+    sizes = {p.name: p.stat().st_size for p in sorted(d.glob("*.safetensors"))}
+    assert len(sizes) == 2
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (big,) = [n for n in sizes.values() if n > 8000]
+    at = out.index(next(ln for ln in out if ln.startswith("file ")))
+    assert out[at].split() == ["file", "bytes", "size"]
+    assert [ln.split() for ln in out[at + 1 : at + 3]] == [
+        [name, str(n), *(f"{n / 1000:.1f} KB" if n >= 1000 else f"{n} B").split()] for name, n in sizes.items()
+    ]
+    assert out[at + 3] == "" and big >= 8000
+    v1 = ROOT / "tests" / "data" / "v1_checkpoint"  # format v1 records no sizes
+    assert main(["inspect", str(v1)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    names = sorted(p.name for p in v1.glob("*.safetensors"))
+    at = out.index(next(ln for ln in out if ln.startswith("file ")))
+    assert [ln.split(maxsplit=2) for ln in out[at + 1 : at + 1 + len(names)]] == [[n, "-", "(not recorded)"] for n in names]
 
 
 def test_inspect_json_in_a_subprocess(ckpt):

@@ -122,6 +122,11 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
     out.line(f"size            {_human(total)} ({total} bytes) in {len(files)} data file(s)")
     out.line(f"tensors         {len(tensors)} ({_human(sum(t['bytes'] for t in tensors.values()))})")
     out.line(f"values          {len(meta.objects)} JSON, {len(meta.pickled_objects)} pickled")
+    if files:
+        out.line()
+        rows = [[f, "-" if n is None else str(n), "(not recorded)" if n is None else _human(n)] for f, n in files.items()]
+        for ln in _table(rows, ["file", "bytes", "size"]):
+            out.line(ln)
     if tensors:
         out.line()
         rows = [
