@@ -350,6 +350,29 @@ def test_convert_torch_hf_dcp(tmp_path, capsys):
     assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
 
 
+def test_convert_torch_and_hf_report_progress(tmp_path, capsys):
+    state = _big_state()
+    total = sum(t.numel() * 4 for t in state.values())
+    torch.save({**state, "step": 7, "empty": torch.zeros(0, 3)}, tmp_path / "sd.pt")
+    safetensors.torch.save_file(state, tmp_path / "m.safetensors")
+    from shardsafe.convert import convert_hf, convert_torch
+
+    for fn, src in ((convert_torch, tmp_path / "sd.pt"), (convert_hf, tmp_path / "m.safetensors")):
+        seen: list[tuple[int, int]] = []
+        fn(src, tmp_path / fn.__name__, progress=lambda done, n, seen=seen: seen.append((done, n)))
+        # (0, total) first, then after each tensor written (the empty one has no bytes to write)
+        assert seen == [(0, total)] + [(sum(t.numel() * 4 for t in list(state.values())[: i + 1]), total) for i in range(len(state))]
+        got = Checkpointer().unshard(tmp_path / fn.__name__)
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+        with pytest.raises(TypeError, match=f"{fn.__name__}: argument 'progress' must be a bool, a callable or None, got str"):
+            fn(src, tmp_path / "other", progress="yes")
+        with pytest.raises(shardsafe.CheckpointExistsError, match="a checkpoint is already committed there; pass overwrite=True"):
+            fn(src, tmp_path / fn.__name__)
+    assert Checkpointer().unshard(tmp_path / "convert_torch")["empty"].shape == (0, 3)
+    convert_hf(tmp_path / "m.safetensors", tmp_path / "bar", progress=True)
+    assert "convert_hf" in capsys.readouterr().err  # the tqdm bar
+
+
 class _Evil:
     def __reduce__(self):
         return (print, ("ran",))

@@ -298,9 +298,9 @@ def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
         meta = convert_megatron(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress or False)
         counts = {"tensors": len(meta.tensors), "values": len(meta.objects) + len(meta.pickled_objects)}
     elif args.source == "torch":
-        counts = convert_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle)
+        counts = convert_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress)
     else:
-        counts = convert_hf(args.src, args.dst, overwrite=args.overwrite)
+        counts = convert_hf(args.src, args.dst, overwrite=args.overwrite, progress=progress)
     out.doc({"src": args.src, "dst": args.dst, "from": args.source, **counts})
     out.line(f"converted {counts['tensors']} tensors and {counts['values']} values from {args.source} {args.src} to {args.dst}")
     return EXIT_OK
