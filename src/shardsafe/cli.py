@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -270,8 +271,8 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
         args.dir, args.out, prefix=args.prefix, overwrite=args.overwrite, max_shard_size=args.max_shard_size, dtype=dtype,
         progress=out.progress("export"),
     )
-    out.doc({"dir": args.dir, "out": args.out, **counts})
-    files = counts.get("files", 1)
+    files = counts.get("files", 1)  # one file unless exported to a folder
+    out.doc({"dir": args.dir, "out": args.out, "files": files, **counts})
     out.line(
         f"exported {counts['tensors']} tensors ({_human(counts['bytes'])}) to {args.out}"
         + (f" in {files} files + index" if files > 1 else "")
@@ -309,13 +310,31 @@ def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
 # ---------------------------------------------------------------- main
 
 
+# what each command's --json prints (its --help epilog): one object with these keys, in this order
+JSON_SCHEMAS = {
+    "inspect": "location, format_version, total_bytes, files ({name: bytes}; bytes null where format v1 records none), "
+    "tensors ({key: {shape, dtype, bytes, chunks, sharded}}), values ({key: JSON value}), pickled_values ([key])",
+    "verify": "location, ok, files, chunks, bytes (checked, bad chunks included), errors ([message]; without --all at most one)",
+    "diff": "a, b, same, only_in_a ([key]), only_in_b ([key]), shape_changed ({key: [shape in A, shape in B]}), "
+    "dtype_changed ({key: [A, B]}), values_changed ({key: [A, B]}; non-tensor values), max_abs_diff ({key: number, or null "
+    "where an element is NaN on one side only}; null without --values), atol",
+    "export": "dir, out, files (data files written), tensors, bytes (tensor data), file_bytes (all files written), values "
+    "(JSON values written to __metadata__), skipped_values (pickled values left out)",
+    "convert": "src, dst, from, tensors, values",
+}
+
+
+def _epilog(command: str) -> str:
+    return f"--json prints one object: {JSON_SCHEMAS[command]}."
+
+
 def _parser() -> argparse.ArgumentParser:
     def options(default: bool | str) -> argparse.ArgumentParser:
         # before or after the command; a subcommand's parser must not reset what was given before it
         parser = argparse.ArgumentParser(add_help=False)
         parser.add_argument("--json", action="store_true", default=default, help="print one JSON document on stdout")
         parser.add_argument("--quiet", "-q", action="store_true", default=default, help="print nothing but errors (the exit status tells)")
-        parser.add_argument("--debug", action="store_true", default=default, help="show a traceback on error, and debug logging")
+        parser.add_argument("--debug", action="store_true", default=default, help="print a traceback on error (the exit status stays 2), and debug logging")
         return parser
 
     common = options(argparse.SUPPRESS)
@@ -330,12 +349,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"shardsafe {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("inspect", parents=[common], help="what a checkpoint holds", description="Format version, size, files, "
+    s = sub.add_parser("inspect", parents=[common], epilog=_epilog("inspect"), help="what a checkpoint holds", description="Format version, size, files, "
                        "every tensor (key, global shape, dtype, bytes, chunks, sharded) and every non-tensor value.")
     s.add_argument("dir", help="checkpoint directory or URL")
     s.set_defaults(run=cmd_inspect)
 
-    s = sub.add_parser("verify", parents=[common], help="read every byte and check every checksum",
+    s = sub.add_parser("verify", parents=[common], epilog=_epilog("verify"), help="read every byte and check every checksum",
                        description="Read every chunk and check it against its checksums. Exit 0 when all is well, 1 on damage "
                        "(a BAD line per problem, naming the file and key; without --all it stops at the first), 2 on an error.")
     s.add_argument("dir", help="checkpoint directory or URL")
@@ -343,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=_positive, default=1, metavar="N", help="data files checked at once (default 1)")
     s.set_defaults(run=cmd_verify)
 
-    s = sub.add_parser("diff", parents=[common], help="compare two checkpoints",
+    s = sub.add_parser("diff", parents=[common], epilog=_epilog("diff"), help="compare two checkpoints",
                        description="Keys only in A or B, shape and dtype changes, changed non-tensor values; with "
                        "--values the max abs difference of every common tensor, read one tensor at a time. Exit 1 when they differ.")
     s.add_argument("a", help="checkpoint A")
@@ -352,7 +371,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--atol", type=float, default=0.0, metavar="X", help="with --values: differences up to X are equal (default 0)")
     s.set_defaults(run=cmd_diff)
 
-    s = sub.add_parser("export", parents=[common], help="to safetensors (one file, or a Hugging Face sharded folder)",
+    s = sub.add_parser("export", parents=[common], epilog=_epilog("export"), help="to safetensors (one file, or a Hugging Face sharded folder)",
                        description="Unshard into one safetensors file OUT, or with --max-shard-size into the folder OUT as "
                        "save_pretrained writes one (model.safetensors, or model-0000i-of-0000N.safetensors + "
                        "model.safetensors.index.json). Streamed; every chunk checked.")
@@ -364,7 +383,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="replace an existing output")
     s.set_defaults(run=cmd_export)
 
-    s = sub.add_parser("convert", parents=[common], help="into a shardsafe checkpoint",
+    s = sub.add_parser("convert", parents=[common], epilog=_epilog("convert"), help="into a shardsafe checkpoint",
                        description="Convert a torch.distributed.checkpoint folder (dcp), a megatron-core torch_dist or zarr checkpoint "
                        "(megatron), a torch.save file (torch, read with weights_only=True) or a Hugging Face safetensors "
                        "file or folder (hf) into a shardsafe checkpoint.")
@@ -398,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args, out)
     except CheckpointError as e:
         if args.debug:
-            raise
+            traceback.print_exc()
         print(f"shardsafe {args.command}: error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"shardsafe {args.command}: interrupted", file=sys.stderr)
@@ -408,7 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except Exception as e:  # noqa: BLE001 - a bug, or an error we do not name yet: say what, briefly
         if args.debug:
-            raise
+            traceback.print_exc()
+            print(f"shardsafe {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return EXIT_ERROR
         print(f"shardsafe {args.command}: error: {type(e).__name__}: {e} (run with --debug for a traceback)", file=sys.stderr)
     return EXIT_ERROR
 
