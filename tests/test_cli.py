@@ -436,8 +436,8 @@ def _load_fsdp2(rank, ws, path):
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
-    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}, moved
 
 
 def _load_tp(rank, ws, path):
@@ -447,8 +447,8 @@ def _load_tp(rank, ws, path):
     model = _model()
     mesh = init_device_mesh("cpu", (ws,))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
-    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}, moved
 
 
 def _load_fsdp2_tp(rank, ws, path):
@@ -460,36 +460,75 @@ def _load_fsdp2_tp(rank, ws, path):
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
-    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}, moved
+
+
+def _load_fsdp1(rank, ws, path):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(_model(), use_orig_params=True, device_id=torch.device("cpu"))
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.tolist() for k, v in model.state_dict().items()}, moved  # FSDP1's default: full tensors, gathered
 
 
 def _load_ddp(rank, ws, path):
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(_model())
+    n, moved = _load_in_place(path, model)
+    return n, {k.removeprefix("module."): v.tolist() for k, v in model.state_dict().items()}, moved
+
+
+def _load_in_place(path, model) -> tuple[int, list[str]]:
+    """Load the HF folder into ``model``; the bytes read and the parameters whose memory the load
+    replaced (none: it fills the tensors the model holds, where they are)."""
+    from torch.distributed.tensor import DTensor
+
+    def ptrs() -> dict[str, int]:
+        return {k: (p._local_tensor if isinstance(p, DTensor) else p).data_ptr() for k, p in model.named_parameters()}
+
+    before = ptrs()
     n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
-    return n, {k.removeprefix("module."): v.tolist() for k, v in model.state_dict().items()}
+    after = ptrs()
+    return n, [k for k in before if after[k] != before[k]]
+
+
+def _plain(rank, ws, path):
+    model = _model()
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.tolist() for k, v in model.state_dict().items()}, moved
+
+
+# the bytes each rank reads, exactly: see test_load_hf_fsdp2_on_4_ranks_reads_exactly_each_share and the FSDP2+TP test below
+_EXACT = {
+    "fsdp2": [(12 * 16 + 12 + 5 * 24 + 5) * 4] * 2,  # 24 rows -> 12 per rank, 10 rows -> 5: half the model
+    "fsdp1": [658 // 2 * 4] * 2,  # the flat parameter of 658 elements, 329 per rank, each a contiguous run of each tensor
+    "fsdp2+tp": [860] * 4,  # see test_load_hf_fsdp2_tp_on_4_ranks_bytes_read_per_rank
+}
 
 
 @pytest.mark.parametrize(
-    ("fn", "ws"), [(_load_fsdp2, 2), (_load_tp, 2), (_load_fsdp2_tp, 4), (_load_ddp, 2)], ids=["fsdp2", "tp", "fsdp2+tp", "ddp"]
+    ("fn", "ws"),
+    [(_plain, 1), (_load_fsdp2, 2), (_load_tp, 2), (_load_fsdp2_tp, 4), (_load_fsdp1, 2), (_load_ddp, 2)],
+    ids=["plain", "fsdp2", "tp", "fsdp2+tp", "fsdp1", "ddp"],
 )
-def test_load_hf_into_sharded_models_bit_exact(tmp_path, fn, ws):
+def test_load_hf_into_sharded_models_bit_exact(request, tmp_path, fn, ws):
     path, sd = _hf_file(tmp_path)
-    plain = _model()
-    total = shardsafe.load_hf_safetensors(path, plain, prefix="net.")
-    assert total == sum(v.numel() * 4 for v in sd.values())
-    for k, v in plain.state_dict().items():
-        assert torch.equal(v, sd["net." + k])
-    results = run_ranks(ws, fn, str(path))
-    for n, got in results:
-        assert n < total or fn is _load_ddp  # each rank reads its share, not the model (DDP: replicas read it all)
+    total = sum(v.numel() * 4 for v in sd.values())
+    results = run_ranks(ws, fn, str(path)) if ws > 1 else [fn(0, 1, str(path))]
+    for n, got, moved in results:
+        assert moved == []  # in place: every parameter's memory is the one it had
+        assert n < total or fn in (_load_ddp, _plain)  # each rank reads its share, not the model (DDP: replicas read it all)
+        assert got.keys() == {k.removeprefix("net.") for k in sd}
         for k, v in got.items():
             assert torch.equal(torch.tensor(v), sd["net." + k]), k  # float32 through a Python float: exact
-    assert sum(n for n, _ in results) >= total
-    if fn is _load_fsdp2:  # every row split evenly in two: each rank reads exactly its half, no byte more
-        assert [n for n, _ in results] == [total // 2] * 2
+    assert sum(n for n, _, _ in results) >= total
+    kind = request.node.callspec.id
+    if kind in _EXACT:  # no byte more than the rank's own elements (with the default coalescing gap)
+        assert [n for n, _, _ in results] == _EXACT[kind]
+    if kind in ("plain", "ddp"):
+        assert [n for n, _, _ in results] == [total] * ws
 
 
 def _load_fsdp2_bytes(rank, ws, path, gap):
@@ -552,6 +591,40 @@ def test_load_hf_tp_on_2_ranks_bytes_read_per_rank(tmp_path):
         for _, got in results:
             for k, v in got.items():
                 assert torch.equal(torch.tensor(v), sd["net." + k]), k
+
+
+def _load_fsdp2_tp_bytes(rank, ws, path, gap):
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    knobs = dataclasses.replace(shardsafe.knobs.KNOBS, coalesce_gap_bytes=gap)
+    n = shardsafe.load_hf_safetensors(path, model, prefix="net.", knobs=knobs)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+
+
+def test_load_hf_fsdp2_tp_on_4_ranks_bytes_read_per_rank(tmp_path):
+    """FSDP2 (dp 2) over TP (tp 2): ``0`` column-parallel then dim 0 halved again by FSDP: 6 rows
+    of ``0.weight`` [24, 16] and 6 of ``0.bias`` per rank, one run each; ``2`` row-parallel
+    (``2.weight`` [10, 24]: 12 columns on tp, then 5 rows on dp: 5 runs of 12 floats, 48 bytes
+    apart), ``2.bias`` [10] replicated on tp and halved on dp: 5. A rank's exact share is
+    (6*16 + 6 + 5*12 + 5) * 4 = 668 bytes, which it reads with ``coalesce_gap_bytes=0``; with the
+    default gap the 5 runs are one read of (4*24 + 12) * 4 = 432 bytes instead of 240: 860 (the
+    parametrized test above checks that)."""
+    path, sd = _hf_file(tmp_path)
+    exact = (6 * 16 + 6 + 5 * 12 + 5) * 4
+    assert exact - 5 * 12 * 4 + (4 * 24 + 12) * 4 == 860
+    results = run_ranks(4, _load_fsdp2_tp_bytes, str(path), 0)
+    assert [n for n, _ in results] == [exact] * 4
+    for _, got in results:
+        for k, v in got.items():
+            assert torch.equal(torch.tensor(v), sd["net." + k]), k
 
 
 def test_load_hf_refusals(tmp_path):
