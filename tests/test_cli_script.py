@@ -101,10 +101,10 @@ def test_corrupt_checkpoint_exits_1_naming_file_and_key(ckpt):
     assert inspect.returncode == 0 and inspect.stdout.startswith(f"checkpoint      {ckpt}\n")
 
 
-def test_missing_and_non_checkpoint_folders_exit_2_with_the_message(tmp_path):
+def test_missing_and_non_checkpoint_folders_exit_2_with_the_message(tmp_path, capsys):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("hi")
-    r, missing, usage = run_all([("verify", tmp_path / "other"), ("inspect", tmp_path / "nope"), ("inspect",)])
+    r, missing = run_all([("verify", tmp_path / "other"), ("inspect", tmp_path / "nope")])
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr == (
         f"shardsafe verify: error: {tmp_path / 'other'}: not a committed checkpoint: it holds 1 file(s) but has no metadata.json"
@@ -113,7 +113,9 @@ def test_missing_and_non_checkpoint_folders_exit_2_with_the_message(tmp_path):
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert (missing.returncode, missing.stdout) == (2, "")
     assert missing.stderr.startswith(f"shardsafe inspect: error: {tmp_path / 'nope'}: not a committed checkpoint: it is empty or missing")
-    assert usage.returncode == 2 and "the following arguments are required: dir" in usage.stderr  # argparse's message
+    with pytest.raises(SystemExit) as e:  # a usage error: argparse's message, exit 2 (in this process: the same parser)
+        main(["inspect"])
+    assert e.value.code == 2 and "the following arguments are required: dir" in capsys.readouterr().err
 
 
 def test_debug_prints_the_traceback_and_still_exits_2(tmp_path):
