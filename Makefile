@@ -78,3 +78,12 @@ bench-megatron-quick: $(BENCH_STAMP)
 .PHONY: bench-dcp
 bench-dcp: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_dcp.py --update-docs
+
+# Hugging Face export and load_hf_safetensors (FSDP2 on 2 and 4 ranks, TP on 2) against
+# unshard + safetensors.save_file, safetensors.load_file + distribute_tensor and the raw read limit
+.PHONY: bench-hf bench-hf-quick
+bench-hf: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_hf.py --update-docs
+
+bench-hf-quick: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_hf.py --quick

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,9 @@ def test_inspect_prints_the_table(ckpt, capsys):
         "tensors         3 (174 B)",
         "values          2 JSON, 0 pickled",
         "",
+        f"{'file'.ljust(len(entry['name']))}  {'bytes'.ljust(len(str(size)))}  size",
+        f"{entry['name']}  {str(size).ljust(5)}  {size} B",
+        "",
         "key      shape   dtype     bytes  chunks  sharded",
         "model.b  [5]     int64     40     1       no",
         "model.h  [3]     bfloat16  6      1       no",
@@ -78,6 +82,30 @@ def test_inspect_prints_the_table(ckpt, capsys):
         'cfg    {"lr":0.1}',
         "step   3",
     ]
+
+
+def test_inspect_lists_every_data_file_with_its_size(tmp_path, capsys):
+    from .simulate import simulate_save
+
+    d = tmp_path / "two"
+    simulate_save(str(d), [{"a": torch.arange(2000.0)}, {"b": torch.arange(30.0)}])  # one data file per rank
+    sizes = {p.name: p.stat().st_size for p in sorted(d.glob("*.safetensors"))}
+    assert len(sizes) == 2
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (big,) = [n for n in sizes.values() if n > 8000]
+    at = out.index(next(ln for ln in out if ln.startswith("file ")))
+    assert out[at].split() == ["file", "bytes", "size"]
+    assert [ln.split() for ln in out[at + 1 : at + 3]] == [
+        [name, str(n), *(f"{n / 1000:.1f} KB" if n >= 1000 else f"{n} B").split()] for name, n in sizes.items()
+    ]
+    assert out[at + 3] == "" and big >= 8000
+    v1 = ROOT / "tests" / "data" / "v1_checkpoint"  # format v1 records no sizes
+    assert main(["inspect", str(v1)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    names = sorted(p.name for p in v1.glob("*.safetensors"))
+    at = out.index(next(ln for ln in out if ln.startswith("file ")))
+    assert [ln.split(maxsplit=2) for ln in out[at + 1 : at + 1 + len(names)]] == [[n, "-", "(not recorded)"] for n in names]
 
 
 def test_inspect_json_in_a_subprocess(ckpt):
@@ -107,8 +135,9 @@ def test_non_checkpoint_folder_and_debug(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"shardsafe verify: error: {tmp_path / 'other'}: not a committed checkpoint: it holds 1 file(s) but has no metadata.json")
-    with pytest.raises(shardsafe.IncompleteCheckpointError):  # --debug: the exception itself, so a traceback
-        main(["verify", str(tmp_path / "other"), "--debug"])
+    assert main(["verify", str(tmp_path / "other"), "--debug"]) == 2  # --debug: the traceback too, the same exit status
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):\n") and "shardsafe.errors.IncompleteCheckpointError: " in err
 
 
 # ------------------------------------------------------------------ verify
@@ -131,19 +160,74 @@ def _corrupt(d: Path, key: str) -> None:
 
 
 def test_verify_corrupt_names_file_and_key(ckpt, capsys):
+    """Damage exits 1 with or without --all (2 is for errors), a BAD line naming the file and the
+    key; without --all verify stops at the first bad chunk, counting what it checked up to there."""
     _corrupt(ckpt, "model.w")
     _corrupt(ckpt, "model.b")
-    assert main(["verify", str(ckpt)]) == 2
+    bad_w = f"{_data_file(ckpt)}: key 'model.w': checksum mismatch in chunk "
+    assert main(["verify", str(ckpt)]) == 1
     got = capsys.readouterr()
-    assert got.out == ""
-    assert got.err.startswith(f"shardsafe verify: error: {_data_file(ckpt)}: key 'model.w': checksum mismatch in chunk ")
+    assert got.err == ""
+    out = got.out.splitlines()
+    assert len(out) == 2 and out[0].startswith(f"BAD  {bad_w}") and out[0].endswith("the file is damaged")
+    assert out[1] == "FAILED: stopped at the first problem (--all lists every one): 1 file(s), 1 chunk(s), 128 bytes checked"
+    assert main(["verify", str(ckpt), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc == {"location": str(ckpt), "ok": False, "files": 1, "chunks": 1, "bytes": 128, "errors": [out[0].removeprefix("BAD  ")]}
     assert main(["verify", str(ckpt), "--all"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert [ln.split(": checksum")[0] for ln in out[:2]] == [f"BAD  {_data_file(ckpt)}: key 'model.w'", f"BAD  {_data_file(ckpt)}: key 'model.b'"]
-    assert out[2] == "FAILED: 2 problem(s): 1 file(s), 3 chunk(s), 6 bytes checked"
+    assert out[2] == "FAILED: 2 problem(s): 1 file(s), 3 chunk(s), 174 bytes checked"  # the bad chunks' 128 + 40 bytes too
     assert main(["verify", str(ckpt), "--all", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    assert doc["ok"] is False and len(doc["errors"]) == 2
+    assert doc.keys() == {"location", "ok", "files", "chunks", "bytes", "errors"}
+    assert (doc["ok"], doc["files"], doc["chunks"], doc["bytes"]) == (False, 1, 3, 174)
+    assert [e.split(": checksum")[0] for e in doc["errors"]] == [f"{_data_file(ckpt)}: key 'model.w'", f"{_data_file(ckpt)}: key 'model.b'"]
+    with pytest.raises(shardsafe.CorruptCheckpointError, match=f"^{re.escape(bad_w)}"):  # the library still raises
+        shardsafe.verify(ckpt)
+
+
+def test_verify_progress_reaches_the_total_past_bad_chunks(ckpt):
+    _corrupt(ckpt, "model.w")
+    seen: list[tuple[int, int]] = []
+    report = shardsafe.verify(ckpt, collect_all=True, progress=lambda done, total: seen.append((done, total)))
+    assert (report.chunks, report.bytes, len(report.errors)) == (3, 174, 1)
+    assert seen[-1] == (174, 174)  # the bar closes, the bad chunk counted as done
+
+
+def test_verify_stops_at_the_first_problem_with_threads(tmp_path, capsys):
+    from .simulate import simulate_save
+
+    d = tmp_path / "two"
+    simulate_save(str(d), [{"a": torch.arange(50.0)}, {"b": torch.arange(30.0)}])  # one data file per rank
+    meta = Checkpointer().get_metadata(d, no_dist=True)
+    files = sorted(meta.data_files())
+    assert len(files) == 2
+    _corrupt(d, "a")
+    _corrupt(d, "b")
+    assert main(["verify", str(d), "--threads", "2", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    (error,) = doc["errors"]  # one problem reported: each file stops at its first, the other at its next chunk
+    assert re.match(rf"{re.escape(str(d))}/({'|'.join(map(re.escape, files))}): key '[ab]': checksum mismatch", error), error
+    assert main(["verify", str(d), "--all", "--threads", "2", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["files"], doc["chunks"], doc["bytes"], len(doc["errors"])) == (2, 2, 80 * 4, 2)
+    assert main(["verify", str(d), "--json"]) == 1  # one thread: the first file in name order, the second not counted
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["files"], doc["chunks"], doc["bytes"]) == (1, 1, 200 if "key 'a'" in doc["errors"][0] else 120)
+    assert doc["errors"][0].startswith(f"{d}/{files[0]}: key ")
+
+
+def test_verify_damaged_metadata_is_damage(ckpt, capsys):
+    raw = bytearray((ckpt / "metadata.json").read_bytes())
+    i = raw.index(b'"model.w"')
+    raw[i + 7] = ord("x")  # "model.x": still JSON, the checksum no longer matches
+    (ckpt / "metadata.json").write_bytes(bytes(raw))
+    for extra in ([], ["--all"]):
+        assert main(["verify", str(ckpt), *extra]) == 1
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith(f"BAD  {ckpt / 'metadata.json'}: checksum mismatch: metadata_checksum says ")
+        assert out[1].endswith(": 0 file(s), 0 chunk(s), 0 bytes checked")
 
 
 # ------------------------------------------------------------------ diff
@@ -267,6 +351,29 @@ def test_convert_torch_hf_dcp(tmp_path, capsys):
     assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
 
 
+def test_convert_torch_and_hf_report_progress(tmp_path, capsys):
+    state = _big_state()
+    total = sum(t.numel() * 4 for t in state.values())
+    torch.save({**state, "step": 7, "empty": torch.zeros(0, 3)}, tmp_path / "sd.pt")
+    safetensors.torch.save_file(state, tmp_path / "m.safetensors")
+    from shardsafe.convert import convert_hf, convert_torch
+
+    for fn, src in ((convert_torch, tmp_path / "sd.pt"), (convert_hf, tmp_path / "m.safetensors")):
+        seen: list[tuple[int, int]] = []
+        fn(src, tmp_path / fn.__name__, progress=lambda done, n, seen=seen: seen.append((done, n)))
+        # (0, total) first, then after each tensor written (the empty one has no bytes to write)
+        assert seen == [(0, total)] + [(sum(t.numel() * 4 for t in list(state.values())[: i + 1]), total) for i in range(len(state))]
+        got = Checkpointer().unshard(tmp_path / fn.__name__)
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+        with pytest.raises(TypeError, match=f"{fn.__name__}: argument 'progress' must be a bool, a callable or None, got str"):
+            fn(src, tmp_path / "other", progress="yes")
+        with pytest.raises(shardsafe.CheckpointExistsError, match="a checkpoint is already committed there; pass overwrite=True"):
+            fn(src, tmp_path / fn.__name__)
+    assert Checkpointer().unshard(tmp_path / "convert_torch")["empty"].shape == (0, 3)
+    convert_hf(tmp_path / "m.safetensors", tmp_path / "bar", progress=True)
+    assert "convert_hf" in capsys.readouterr().err  # the tqdm bar
+
+
 class _Evil:
     def __reduce__(self):
         return (print, ("ran",))
@@ -329,8 +436,8 @@ def _load_fsdp2(rank, ws, path):
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
-    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}, moved
 
 
 def _load_tp(rank, ws, path):
@@ -340,8 +447,8 @@ def _load_tp(rank, ws, path):
     model = _model()
     mesh = init_device_mesh("cpu", (ws,))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
-    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}, moved
 
 
 def _load_fsdp2_tp(rank, ws, path):
@@ -353,36 +460,75 @@ def _load_fsdp2_tp(rank, ws, path):
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
-    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}, moved
+
+
+def _load_fsdp1(rank, ws, path):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(_model(), use_orig_params=True, device_id=torch.device("cpu"))
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.tolist() for k, v in model.state_dict().items()}, moved  # FSDP1's default: full tensors, gathered
 
 
 def _load_ddp(rank, ws, path):
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(_model())
+    n, moved = _load_in_place(path, model)
+    return n, {k.removeprefix("module."): v.tolist() for k, v in model.state_dict().items()}, moved
+
+
+def _load_in_place(path, model) -> tuple[int, list[str]]:
+    """Load the HF folder into ``model``; the bytes read and the parameters whose memory the load
+    replaced (none: it fills the tensors the model holds, where they are)."""
+    from torch.distributed.tensor import DTensor
+
+    def ptrs() -> dict[str, int]:
+        return {k: (p._local_tensor if isinstance(p, DTensor) else p).data_ptr() for k, p in model.named_parameters()}
+
+    before = ptrs()
     n = shardsafe.load_hf_safetensors(path, model, prefix="net.")
-    return n, {k.removeprefix("module."): v.tolist() for k, v in model.state_dict().items()}
+    after = ptrs()
+    return n, [k for k in before if after[k] != before[k]]
+
+
+def _plain(rank, ws, path):
+    model = _model()
+    n, moved = _load_in_place(path, model)
+    return n, {k: v.tolist() for k, v in model.state_dict().items()}, moved
+
+
+# the bytes each rank reads, exactly: see test_load_hf_fsdp2_on_4_ranks_reads_exactly_each_share and the FSDP2+TP test below
+_EXACT = {
+    "fsdp2": [(12 * 16 + 12 + 5 * 24 + 5) * 4] * 2,  # 24 rows -> 12 per rank, 10 rows -> 5: half the model
+    "fsdp1": [658 // 2 * 4] * 2,  # the flat parameter of 658 elements, 329 per rank, each a contiguous run of each tensor
+    "fsdp2+tp": [860] * 4,  # see test_load_hf_fsdp2_tp_on_4_ranks_bytes_read_per_rank
+}
 
 
 @pytest.mark.parametrize(
-    ("fn", "ws"), [(_load_fsdp2, 2), (_load_tp, 2), (_load_fsdp2_tp, 4), (_load_ddp, 2)], ids=["fsdp2", "tp", "fsdp2+tp", "ddp"]
+    ("fn", "ws"),
+    [(_plain, 1), (_load_fsdp2, 2), (_load_tp, 2), (_load_fsdp2_tp, 4), (_load_fsdp1, 2), (_load_ddp, 2)],
+    ids=["plain", "fsdp2", "tp", "fsdp2+tp", "fsdp1", "ddp"],
 )
-def test_load_hf_into_sharded_models_bit_exact(tmp_path, fn, ws):
+def test_load_hf_into_sharded_models_bit_exact(request, tmp_path, fn, ws):
     path, sd = _hf_file(tmp_path)
-    plain = _model()
-    total = shardsafe.load_hf_safetensors(path, plain, prefix="net.")
-    assert total == sum(v.numel() * 4 for v in sd.values())
-    for k, v in plain.state_dict().items():
-        assert torch.equal(v, sd["net." + k])
-    results = run_ranks(ws, fn, str(path))
-    for n, got in results:
-        assert n < total or fn is _load_ddp  # each rank reads its share, not the model (DDP: replicas read it all)
+    total = sum(v.numel() * 4 for v in sd.values())
+    results = run_ranks(ws, fn, str(path)) if ws > 1 else [fn(0, 1, str(path))]
+    for n, got, moved in results:
+        assert moved == []  # in place: every parameter's memory is the one it had
+        assert n < total or fn in (_load_ddp, _plain)  # each rank reads its share, not the model (DDP: replicas read it all)
+        assert got.keys() == {k.removeprefix("net.") for k in sd}
         for k, v in got.items():
             assert torch.equal(torch.tensor(v), sd["net." + k]), k  # float32 through a Python float: exact
-    assert sum(n for n, _ in results) >= total
-    if fn is _load_fsdp2:  # every row split evenly in two: each rank reads exactly its half, no byte more
-        assert [n for n, _ in results] == [total // 2] * 2
+    assert sum(n for n, _, _ in results) >= total
+    kind = request.node.callspec.id
+    if kind in _EXACT:  # no byte more than the rank's own elements (with the default coalescing gap)
+        assert [n for n, _, _ in results] == _EXACT[kind]
+    if kind in ("plain", "ddp"):
+        assert [n for n, _, _ in results] == [total] * ws
 
 
 def _load_fsdp2_bytes(rank, ws, path, gap):
@@ -445,6 +591,40 @@ def test_load_hf_tp_on_2_ranks_bytes_read_per_rank(tmp_path):
         for _, got in results:
             for k, v in got.items():
                 assert torch.equal(torch.tensor(v), sd["net." + k]), k
+
+
+def _load_fsdp2_tp_bytes(rank, ws, path, gap):
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    knobs = dataclasses.replace(shardsafe.knobs.KNOBS, coalesce_gap_bytes=gap)
+    n = shardsafe.load_hf_safetensors(path, model, prefix="net.", knobs=knobs)
+    return n, {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+
+
+def test_load_hf_fsdp2_tp_on_4_ranks_bytes_read_per_rank(tmp_path):
+    """FSDP2 (dp 2) over TP (tp 2): ``0`` column-parallel then dim 0 halved again by FSDP: 6 rows
+    of ``0.weight`` [24, 16] and 6 of ``0.bias`` per rank, one run each; ``2`` row-parallel
+    (``2.weight`` [10, 24]: 12 columns on tp, then 5 rows on dp: 5 runs of 12 floats, 48 bytes
+    apart), ``2.bias`` [10] replicated on tp and halved on dp: 5. A rank's exact share is
+    (6*16 + 6 + 5*12 + 5) * 4 = 668 bytes, which it reads with ``coalesce_gap_bytes=0``; with the
+    default gap the 5 runs are one read of (4*24 + 12) * 4 = 432 bytes instead of 240: 860 (the
+    parametrized test above checks that)."""
+    path, sd = _hf_file(tmp_path)
+    exact = (6 * 16 + 6 + 5 * 12 + 5) * 4
+    assert exact - 5 * 12 * 4 + (4 * 24 + 12) * 4 == 860
+    results = run_ranks(4, _load_fsdp2_tp_bytes, str(path), 0)
+    assert [n for n, _ in results] == [exact] * 4
+    for _, got in results:
+        for k, v in got.items():
+            assert torch.equal(torch.tensor(v), sd["net." + k]), k
 
 
 def test_load_hf_refusals(tmp_path):

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -122,6 +123,11 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
     out.line(f"size            {_human(total)} ({total} bytes) in {len(files)} data file(s)")
     out.line(f"tensors         {len(tensors)} ({_human(sum(t['bytes'] for t in tensors.values()))})")
     out.line(f"values          {len(meta.objects)} JSON, {len(meta.pickled_objects)} pickled")
+    if files:
+        out.line()
+        rows = [[f, "-" if n is None else str(n), "(not recorded)" if n is None else _human(n)] for f, n in files.items()]
+        for ln in _table(rows, ["file", "bytes", "size"]):
+            out.line(ln)
     if tensors:
         out.line()
         rows = [
@@ -148,13 +154,22 @@ def _brief(v: Any, width: int = 60) -> str:
 
 
 def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
-    from .verify import verify
+    from .errors import CorruptCheckpointError
+    from .verify import VerifyReport, verify_report
 
-    report = verify(args.dir, collect_all=args.all, threads=args.threads, progress=out.progress("verify"))
+    try:
+        report = verify_report(args.dir, stop_at_first=not args.all, threads=args.threads, progress=out.progress("verify"))
+    except CorruptCheckpointError as e:  # metadata.json itself is damaged: damage found, nothing else checkable
+        report = VerifyReport(errors=[str(e)])
     out.doc({"location": args.dir, "ok": report.ok, "files": report.files, "chunks": report.chunks, "bytes": report.bytes, "errors": report.errors})
     for e in report.errors:
         out.line(f"BAD  {e}")
-    status = "OK" if report.ok else f"FAILED: {len(report.errors)} problem(s)"
+    if report.ok:
+        status = "OK"
+    elif args.all:
+        status = f"FAILED: {len(report.errors)} problem(s)"
+    else:
+        status = "FAILED: stopped at the first problem (--all lists every one)"
     out.line(f"{status}: {report.files} file(s), {report.chunks} chunk(s), {report.bytes} bytes checked")
     return EXIT_OK if report.ok else EXIT_FOUND
 
@@ -256,8 +271,8 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
         args.dir, args.out, prefix=args.prefix, overwrite=args.overwrite, max_shard_size=args.max_shard_size, dtype=dtype,
         progress=out.progress("export"),
     )
-    out.doc({"dir": args.dir, "out": args.out, **counts})
-    files = counts.get("files", 1)
+    files = counts.get("files", 1)  # one file unless exported to a folder
+    out.doc({"dir": args.dir, "out": args.out, "files": files, **counts})
     out.line(
         f"exported {counts['tensors']} tensors ({_human(counts['bytes'])}) to {args.out}"
         + (f" in {files} files + index" if files > 1 else "")
@@ -296,9 +311,9 @@ def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
         meta = convert_megatron(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress or False)
         counts = {"tensors": len(meta.tensors), "values": len(meta.objects) + len(meta.pickled_objects)}
     elif args.source == "torch":
-        counts = convert_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle)
+        counts = convert_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress)
     else:
-        counts = convert_hf(args.src, args.dst, overwrite=args.overwrite)
+        counts = convert_hf(args.src, args.dst, overwrite=args.overwrite, progress=progress)
     out.doc({"src": args.src, "dst": args.dst, "from": args.source, **counts})
     out.line(f"converted {counts['tensors']} tensors and {counts['values']} values from {args.source} {args.src} to {args.dst}")
     return EXIT_OK
@@ -307,13 +322,32 @@ def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
 # ---------------------------------------------------------------- main
 
 
+# what each command's --json prints (its --help epilog): one object with these keys, in this order
+JSON_SCHEMAS = {
+    "inspect": "location, format_version, total_bytes, files ({name: bytes}; bytes null where format v1 records none), "
+    "tensors ({key: {shape, dtype, bytes, chunks, sharded}}), values ({key: JSON value}), pickled_values ([key])",
+    "verify": "location, ok, files, chunks, bytes (checked, bad chunks included), errors ([message]; without --all at most one)",
+    "diff": "a, b, same, only_in_a ([key]), only_in_b ([key]), shape_changed ({key: [shape in A, shape in B]}), "
+    "dtype_changed ({key: [A, B]}), values_changed ({key: [A, B]}; non-tensor values), max_abs_diff ({key: number, or null "
+    "where an element is NaN on one side only}; null without --values), atol",
+    "export": "dir, out, files (data files written), tensors, bytes (tensor data), file_bytes (all files written), values "
+    "(JSON values written to __metadata__), skipped_values (pickled values left out)",
+    "convert": "src, dst, from, tensors, values",
+    "consolidate": "dir, out, tensors, bytes (tensor data), file_bytes (the file written)",
+}
+
+
+def _epilog(command: str) -> str:
+    return f"--json prints one object: {JSON_SCHEMAS[command]}."
+
+
 def _parser() -> argparse.ArgumentParser:
     def options(default: bool | str) -> argparse.ArgumentParser:
         # before or after the command; a subcommand's parser must not reset what was given before it
         parser = argparse.ArgumentParser(add_help=False)
         parser.add_argument("--json", action="store_true", default=default, help="print one JSON document on stdout")
         parser.add_argument("--quiet", "-q", action="store_true", default=default, help="print nothing but errors (the exit status tells)")
-        parser.add_argument("--debug", action="store_true", default=default, help="show a traceback on error, and debug logging")
+        parser.add_argument("--debug", action="store_true", default=default, help="print a traceback on error (the exit status stays 2), and debug logging")
         return parser
 
     common = options(argparse.SUPPRESS)
@@ -328,19 +362,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"shardsafe {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("inspect", parents=[common], help="what a checkpoint holds", description="Format version, size, files, "
+    s = sub.add_parser("inspect", parents=[common], epilog=_epilog("inspect"), help="what a checkpoint holds", description="Format version, size, files, "
                        "every tensor (key, global shape, dtype, bytes, chunks, sharded) and every non-tensor value.")
     s.add_argument("dir", help="checkpoint directory or URL")
     s.set_defaults(run=cmd_inspect)
 
-    s = sub.add_parser("verify", parents=[common], help="read every byte and check every checksum",
-                       description="Read every chunk and check it against its checksums; exit 0 only when all is well.")
+    s = sub.add_parser("verify", parents=[common], epilog=_epilog("verify"), help="read every byte and check every checksum",
+                       description="Read every chunk and check it against its checksums. Exit 0 when all is well, 1 on damage "
+                       "(a BAD line per problem, naming the file and key; without --all it stops at the first), 2 on an error.")
     s.add_argument("dir", help="checkpoint directory or URL")
     s.add_argument("--all", action="store_true", help="list every bad chunk instead of stopping at the first")
     s.add_argument("--threads", type=_positive, default=1, metavar="N", help="data files checked at once (default 1)")
     s.set_defaults(run=cmd_verify)
 
-    s = sub.add_parser("diff", parents=[common], help="compare two checkpoints",
+    s = sub.add_parser("diff", parents=[common], epilog=_epilog("diff"), help="compare two checkpoints",
                        description="Keys only in A or B, shape and dtype changes, changed non-tensor values; with "
                        "--values the max abs difference of every common tensor, read one tensor at a time. Exit 1 when they differ.")
     s.add_argument("a", help="checkpoint A")
@@ -349,7 +384,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--atol", type=float, default=0.0, metavar="X", help="with --values: differences up to X are equal (default 0)")
     s.set_defaults(run=cmd_diff)
 
-    s = sub.add_parser("export", parents=[common], help="to safetensors (one file, or a Hugging Face sharded folder)",
+    s = sub.add_parser("export", parents=[common], epilog=_epilog("export"), help="to safetensors (one file, or a Hugging Face sharded folder)",
                        description="Unshard into one safetensors file OUT, or with --max-shard-size into the folder OUT as "
                        "save_pretrained writes one (model.safetensors, or model-0000i-of-0000N.safetensors + "
                        "model.safetensors.index.json). Streamed; every chunk checked.")
@@ -361,7 +396,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="replace an existing output")
     s.set_defaults(run=cmd_export)
 
-    s = sub.add_parser("consolidate", parents=[common], help="to one torch.save file, as Lightning's consolidate_checkpoint",
+    s = sub.add_parser("consolidate", parents=[common], epilog=_epilog("consolidate"), help="to one torch.save file, as Lightning's consolidate_checkpoint",
                        description="Write the single-file checkpoint Lightning users load with torch.load(OUT)[\"state_dict\"] "
                        "(state_dict, optimizer_states and the rest of the checkpoint dict), from a checkpoint of "
                        "shardsafe.lightning or save_model_and_optim_state, or a folder Lightning's own sharded save wrote. "
@@ -373,7 +408,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-pickle", action="store_true", help="read values stored with pickle (trusted checkpoints only)")
     s.set_defaults(run=cmd_consolidate)
 
-    s = sub.add_parser("convert", parents=[common], help="into a shardsafe checkpoint",
+    s = sub.add_parser("convert", parents=[common], epilog=_epilog("convert"), help="into a shardsafe checkpoint",
                        description="Convert a torch.distributed.checkpoint folder (dcp), a megatron-core torch_dist or zarr checkpoint "
                        "(megatron), a torch.save file (torch, read with weights_only=True) or a Hugging Face safetensors "
                        "file or folder (hf) into a shardsafe checkpoint.")
@@ -407,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args, out)
     except CheckpointError as e:
         if args.debug:
-            raise
+            traceback.print_exc()
         print(f"shardsafe {args.command}: error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"shardsafe {args.command}: interrupted", file=sys.stderr)
@@ -417,7 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except Exception as e:  # noqa: BLE001 - a bug, or an error we do not name yet: say what, briefly
         if args.debug:
-            raise
+            traceback.print_exc()
+            print(f"shardsafe {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return EXIT_ERROR
         print(f"shardsafe {args.command}: error: {type(e).__name__}: {e} (run with --debug for a traceback)", file=sys.stderr)
     return EXIT_ERROR
 

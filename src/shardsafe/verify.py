@@ -23,7 +23,7 @@ from .format.safetensors_file import parse_header
 from .knobs import KNOBS
 from .storage import open_storage
 
-__all__ = ["VerifyReport", "verify"]
+__all__ = ["VerifyReport", "verify", "verify_report"]
 
 log = logging.getLogger("shardsafe.verify")
 
@@ -61,6 +61,26 @@ def verify(
     checked them). Needs no process group.
     """
     check_bool("verify", "collect_all", collect_all)
+    report = verify_report(dir, stop_at_first=not collect_all, threads=threads, progress=progress)
+    if not collect_all and report.errors:
+        raise CorruptCheckpointError(report.errors[0])
+    return report
+
+
+def verify_report(
+    dir: str | os.PathLike[str],
+    *,
+    stop_at_first: bool = False,
+    threads: int = 1,
+    progress: bool | Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """:func:`verify`, returning the report whether or not it finds damage: with
+    ``stop_at_first`` it stops at the first bad chunk or file, whose message is then the
+    report's one error, and counts what was checked up to there. (For callers that report
+    damage rather than raise it, as the command line does.) A ``metadata.json`` that cannot be
+    read still raises: nothing else can be checked then.
+    """
+    check_bool("verify", "stop_at_first", stop_at_first)
     check_arg("verify", "threads", threads, int)
     progress = progress_callback(progress, "verify")
     if threads < 1:
@@ -98,16 +118,27 @@ def verify(
                 progress(done[0], total)
 
     block = KNOBS.read_buffer_bytes
+    stop = threading.Event()  # with stop_at_first: set at the first problem, every file stops at its next chunk
 
     def check_file(item: tuple[str, list]) -> VerifyReport:
-        file, chunks = item
         report = VerifyReport()
+        try:
+            _check_file(item, report)
+        except _Stop:
+            pass
+        return report
+
+    def _check_file(item: tuple[str, list], report: VerifyReport) -> None:
+        file, chunks = item
 
         def fail(msg: str) -> None:
-            if not collect_all:
-                raise CorruptCheckpointError(msg)
             report.errors.append(msg)
+            if stop_at_first:
+                stop.set()
+                raise _Stop
 
+        if stop.is_set():
+            return
         report.files = 1
         where = f"{storage.url.rstrip('/')}/{file}"
         info = infos.get(file)
@@ -128,13 +159,13 @@ def verify(
             data_start, header = parse_header(bytes(prefix))
         except (ValueError, CorruptCheckpointError) as e:
             fail(f"{where}: not a valid safetensors file: {e}")
-            return report
+            return
         if v3:  # where each chunk is, from the header and the checksum entry (both checked)
             try:
                 meta.resolver.file(meta._file_number(file))  # type: ignore[union-attr]
             except CorruptCheckpointError as e:
                 fail(str(e))
-                return report
+                return
             placed = []
             for key, t, i in chunks:
                 try:
@@ -144,6 +175,8 @@ def verify(
                     fail(f"{where}: key {key!r}: {e}")
             chunks = placed
         for key, t, spec in chunks:
+            if stop.is_set():
+                return
             report.chunks += 1
             entry = header.get(spec.name)
             shape = list(spec.local_shape) if spec.flattened_range is None else [spec.local_numel]
@@ -154,30 +187,33 @@ def verify(
             }
             if v3 and spec.flattened_range is None and isinstance(entry, dict) and entry.get("shape") == [spec.local_numel]:
                 expect["shape"] = [spec.local_numel]  # a flattened range over its whole box: either shape (docs/format.md §4.2)
+            start, end = spec.byte_range
             if entry != expect:
+                advance(end - start)  # the chunk is done with: its bytes are not read
                 fail(f"{where}: key {key!r}, entry {spec.name!r}: header has {entry}, metadata expects {expect}")
                 continue
-            pos, end = spec.byte_range
+            pos = start
             buf = bytearray(min(block, end - pos))
             try:
                 check = t.chunk_sums(file, spec).stream()
                 while pos < end:
                     view = memoryview(buf)[: min(block, end - pos)]
                     storage.read_into(file, pos, [view])
-                    check.update(view)
                     pos += view.nbytes
                     advance(view.nbytes)
+                    check.update(view)
                 check.finish()
             except CorruptCheckpointError as e:
+                report.bytes += pos - start  # a bad chunk's bytes were checked too, up to the bad block
+                advance(end - pos)
                 fail(f"{where}: key {key!r}: {e}")
                 continue
-            report.bytes += end - spec.byte_range[0]
+            report.bytes += end - start
         if info is not None:  # after the chunks: a cut into a chunk is reported with its key
             try:
                 _check_size(storage, file, info.size)
             except (ValueError, CorruptCheckpointError) as e:
                 fail(f"{where}: not a valid safetensors file: {e}")
-        return report
 
     report = VerifyReport()
     try:
@@ -188,6 +224,9 @@ def verify(
                     report.chunks += part.chunks
                     report.bytes += part.bytes
                     report.errors.extend(part.errors)
+                    if stop_at_first and report.errors:  # the first problem, in file order; the files after it are not counted
+                        pool.shutdown(cancel_futures=True)
+                        break
             except BaseException:
                 pool.shutdown(cancel_futures=True)
                 raise
@@ -199,6 +238,10 @@ def verify(
         storage.url, report.files, report.chunks, report.bytes, len(report.errors), seconds, report.bytes / max(seconds, 1e-9) / 1e9,
     )
     return report
+
+
+class _Stop(Exception):
+    """Raised by a file's check at its first problem when stopping there (caught by the file's check)."""
 
 
 def _check_size(storage, file: str, size: int) -> None:
