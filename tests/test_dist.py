@@ -453,21 +453,28 @@ def test_coordinator_that_committed_reports_success_when_a_rank_dies(tmp_path):
     assert {k: v.tolist() for k, v in Checkpointer().unshard(path).items()} == {"x0": [0.0] * 3, "x1": [1.0] * 3}
 
 
-# --- item 13: nothing outlives a call -----------------------------------------------------------------
+# --- item 13: nothing outlives a call but the idle reader threads, kept for the next load -----------
 
 
 def _threads_after_calls(rank, ws, path):
     ours = []
 
     def alive():
-        return sorted(t.name for t in threading.enumerate() if t.name.startswith(("shardsafe", "ThreadPoolExecutor")))
+        # the reader's pool (engine/reader.py _shared) is the one thing kept: idle, the same threads for every load
+        return sorted(
+            t.name for t in threading.enumerate()
+            if t.name.startswith(("shardsafe", "ThreadPoolExecutor")) and not t.name.startswith("shardsafe-read")
+        )
 
     Checkpointer().save(path, _state(rank))
     ours.append(alive())
     Checkpointer().load(path, {"w": torch.zeros(6, 4), "b": torch.zeros(5, dtype=torch.int64), "step": 0})
     ours.append(alive())
+    readers = {t.ident for t in threading.enumerate() if t.name.startswith("shardsafe-read")}
     Checkpointer().unshard(path)
     ours.append(alive())
+    again = {t.ident for t in threading.enumerate() if t.name.startswith("shardsafe-read")}
+    assert readers == again and len(again) <= KNOBS.io_threads, (readers, again)
     return ours
 
 

@@ -57,7 +57,9 @@ def _shared(threads: int, budget: int) -> tuple[ThreadPoolExecutor | None, Scrat
     The scratch stays resident between loads: at most ``read_buffer_bytes`` per process and
     setting of the knobs. Loads running at once share the threads; a task never waits on
     another, so sharing cannot deadlock. A forked child starts afresh (threads do not survive a
-    fork)."""
+    fork). These idle threads are the one thing of shardsafe that outlives a call (they hold no
+    tensor of the caller's, and exit with the interpreter's thread shutdown, before finalization;
+    ``tests/test_dist.py`` checks that processes exiting right after a load never abort)."""
     key = (threads, budget)
     with _SHARED_LOCK:
         got = _SHARED.get(key)
