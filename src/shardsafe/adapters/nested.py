@@ -17,7 +17,9 @@ and pass objects such as an LR scheduler as values. The rules, on save and on lo
 A flat state dict (no mapping that holds tensors, no ``Stateful``) is stored exactly as it was
 before nesting was supported. Loading, a target mapping that holds no tensor is entered when
 the checkpoint stores keys under its key rather than its key itself (a fresh optimizer's empty
-``state``), and is otherwise one value.
+``state``), and is otherwise one value; so is a target list (``torch.distributed.checkpoint``,
+through ``shardsafe.dcp.StorageWriter``, stores ``optim.param_groups.0.lr`` where ``Checkpointer``
+stores ``optim.param_groups``: both load into the same target).
 """
 
 from __future__ import annotations
@@ -101,9 +103,9 @@ def flatten_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     if not _needs_flattening(state_dict):
         return state_dict
     flat: dict[str, Any] = {}
-    origin: dict[str, tuple] = {}
+    origin: dict[str, tuple] = {}  # key -> the path to its entry, with the caller's own keys (for messages)
 
-    def visit(path: tuple, v: Any) -> None:
+    def visit(path: tuple, shown: tuple, v: Any) -> None:
         if not _is_tensor(v):
             if is_stateful(v):
                 v = _state_of(v, path)
@@ -111,19 +113,19 @@ def flatten_state(state_dict: dict[str, Any]) -> dict[str, Any]:
                 _check_top_key(path)
                 _deeper(path)
                 for k, x in v.items():
-                    visit((*path, str(k)), x)
+                    visit((*path, str(k)), (*shown, k), x)
                 return
         key = _key(path)
         if key in flat:
             raise CheckpointError(
-                f"{_shown(origin[key])} and {_shown(path)} are both stored under the key {key!r} (nested keys are joined "
+                f"{_shown(origin[key])} and {_shown(shown)} are both stored under the key {key!r} (nested keys are joined "
                 "with '.', as torch.distributed.checkpoint does); rename one of them"
             )
         flat[key] = v
-        origin[key] = path
+        origin[key] = shown
 
     for k, v in state_dict.items():
-        visit((k,), v)
+        visit((k,), (k,), v)
     return flat
 
 
@@ -184,6 +186,11 @@ def load_targets(
                 _deeper(path)
                 for ik, x in list(v.items()):
                     visit(v, ik, (*path, str(ik)), x)
+                return
+            if type(v) is list and key not in stored_values and stored_under(key):  # as DCP flattened it (param groups)
+                _deeper(path)
+                for i, x in enumerate(v):
+                    visit(v, i, (*path, str(i)), x)
                 return
             if not isinstance(container, (MutableMapping, list)):
                 raise CheckpointError(
