@@ -358,3 +358,22 @@ def test_nested_dtensors_saved_on_two_ranks_load_on_one(tmp_path: Path) -> None:
     target = _zeros_like(want)
     Checkpointer().load(path, target, no_dist=True)
     assert_same(target, want, "state")
+
+
+class _Picky(Counter):
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise ValueError(f"n must be 1, got {sd['n']}")
+
+
+class _Broken(Counter):
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("no state yet")
+
+
+def test_a_failing_state_dict_or_load_state_dict_is_named_by_key(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    with pytest.raises(CheckpointError, match=r"^key 'opt\.b': _Broken\.state_dict\(\) raised RuntimeError: no state yet$"):
+        Checkpointer().save(d, {"opt": {"a": Counter(1), "b": _Broken(1)}})
+    Checkpointer().save(d, {"opt": {"a": Counter(3)}})
+    with pytest.raises(CheckpointError, match=r"^key 'opt\.a': _Picky\.load_state_dict\(\) of the loaded state raised ValueError: n must be 1, got 3$"):
+        Checkpointer().load(d, {"opt": {"a": _Picky(1)}})

@@ -60,7 +60,7 @@ def _holds_state(m: Mapping, depth: int = 0) -> bool:
 
 def _needs_flattening(state_dict: dict[str, Any]) -> bool:
     for v in state_dict.values():
-        if type(v) is torch.Tensor or _is_tensor(v):
+        if _is_tensor(v):
             continue
         if is_stateful(v) or (isinstance(v, Mapping) and _holds_state(v)):
             return True
@@ -137,7 +137,7 @@ class Targets:
 
     flat: dict[str, Any]
     slots: dict[str, tuple[MutableMapping | list, Any]] | None = None  # None: flat is the caller's own dict
-    statefuls: list[tuple[Any, list[Any]]] = field(default_factory=list)  # (object, [its state dict, once loaded])
+    statefuls: list[tuple[str, Any, list[Any]]] = field(default_factory=list)  # (key, object, [its state dict, once loaded])
 
     def apply(self, values: dict[str, Any]) -> None:
         """Put the loaded ``values`` (flat keys) in place and restore the ``Stateful`` objects."""
@@ -147,8 +147,15 @@ class Targets:
         for key, v in values.items():
             container, k = self.slots[key]
             container[k] = v
-        for obj, state in self.statefuls:
-            obj.load_state_dict(state[0])
+        for key, obj, state in self.statefuls:
+            try:
+                obj.load_state_dict(state[0])
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the user's load_state_dict() may raise anything; it is named with its key
+                raise CheckpointError(
+                    f"key {key!r}: {type(obj).__qualname__}.load_state_dict() of the loaded state raised {type(e).__name__}: {e}"
+                ) from e
 
 
 def load_targets(
@@ -179,7 +186,7 @@ def load_targets(
             if is_stateful(v):
                 state = [_state_of(v, path)]
                 visit(state, 0, path, state[0])
-                out.statefuls.append((v, state))
+                out.statefuls.append((key, v, state))
                 return
             if isinstance(v, Mapping) and (_holds_state(v) or (key not in stored_values and stored_under(key))):
                 _check_top_key(path)
