@@ -204,6 +204,11 @@ def test_a_missing_nested_key_is_named_dotted(tmp_path: Path) -> None:
     target: dict[str, Any] = {"model": {"w": torch.zeros(2)}, "optim": {"state": {}}}
     Checkpointer().load(d, target)
     assert target["optim"] == {"state": {}} and torch.equal(target["model"]["w"], torch.ones(2))
+    target = {"optim": {"state": {}}}  # alone, too
+    Checkpointer().load(d, target)
+    assert target == {"optim": {"state": {}}}
+    with pytest.raises(MissingKeyError, match=r"non-tensor key 'cfg' is not in the checkpoint"):
+        Checkpointer().load(d, {"optim": {"state": {}}, "cfg": {"a": 1}})
 
 
 # --- Stateful values -------------------------------------------------------------------------

@@ -164,8 +164,10 @@ def load_targets(
     """``state_dict`` as flat load targets (see the module docstring). ``stored_values``: the
     keys the checkpoint holds as values; ``stored_keys()``: every key it holds,
     asked for only when a target mapping without tensors must be placed."""
-    if not _needs_flattening(state_dict):
-        return Targets(state_dict)
+    if not _needs_flattening(state_dict) and all(
+        k in stored_values for k, v in state_dict.items() if isinstance(v, Mapping) or type(v) is list
+    ):
+        return Targets(state_dict)  # flat: every target is its own key
     out = Targets({}, {})
     prefixes: set[str] | None = None
 
