@@ -126,7 +126,7 @@ def test_json_values_go_to_metadata_and_pickled_ones_are_skipped(tmp_path):
     assert (summary["values"], summary["skipped_values"]) == (1, 0)
 
     d2 = str(tmp_path / "p")
-    Checkpointer(allow_pickle=True).save(d2, {"w": torch.ones(3), "t": (1, 2), "step": 3})
+    Checkpointer(allow_pickle=True).save(d2, {"w": torch.ones(3), "t": 1 + 2j, "step": 3})
     out2 = tmp_path / "p.safetensors"
     summary = shardsafe.unshard_to_safetensors(d2, out2)
     with safe_open(str(out2), framework="pt") as f:

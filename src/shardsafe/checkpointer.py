@@ -1,4 +1,4 @@
-"""``Checkpointer``: save, load and unshard flat state dicts of (sharded) tensors and values."""
+"""``Checkpointer``: save, load and unshard state dicts of (sharded) tensors and values."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ._args import check_arg, check_bool
 from ._gc import paused_gc
 from ._progress import Progress, rank_progress, targets_done
 from .adapters import LocalTensor, describe_state
+from .adapters.nested import Targets, load_targets
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave, wait_for_location
 from .engine.bounds import check_files_hold
@@ -35,11 +36,18 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """A distributed checkpointer for flat state dicts.
+    """A distributed checkpointer for state dicts.
 
     Values may be ``torch.Tensor`` / ``nn.Parameter`` (replicated), ``DTensor`` (any Shard,
-    _StridedShard or Replicate placements), :class:`~shardsafe.ShardedTensor`, or non-tensor
-    values that JSON can hold. Other values need ``allow_pickle=True``, on save and on load.
+    _StridedShard or Replicate placements), :class:`~shardsafe.ShardedTensor`, non-tensor
+    values, dicts of these (nested as deep as needed: ``{"model": model_sd, "optim": optim_sd}``),
+    and objects with ``state_dict()`` / ``load_state_dict()`` (modules, optimizers, LR
+    schedulers: DCP's ``Stateful``). A dict that holds tensors or such objects is stored under
+    dotted keys as ``torch.distributed.checkpoint`` flattens it (``optim.state.0.exp_avg``); any
+    other value as one JSON value, where tuples, ``OrderedDict``, sets, NaN and infinities, NumPy
+    scalars and the like keep their types (tagged JSON, ``docs/format.md`` §13). Values with no
+    such form need ``allow_pickle=True``, on save and on load; a tensor inside a list or tuple is
+    refused (put it in a dict).
 
     In a distributed context every rank calls :meth:`save` together; :meth:`load` and
     :meth:`unshard` are collective unless ``no_dist=True``. A checkpoint is committed by its
@@ -70,7 +78,8 @@ class Checkpointer:
         old checkpoint stays loadable until the new one commits, then its files are removed.
         Every rank of ``process_group`` (default: all ranks) calls this together, with the same
         ``dir``; ``MissingRanksError`` is raised if some do not call within
-        ``knobs.collective_timeout_s``.
+        ``knobs.collective_timeout_s``. ``PickleNotAllowedError`` names the element of a value
+        that cannot be stored (``optim.param_groups[0].betas``).
         """
         check_arg("Checkpointer.save", "state_dict", state_dict, dict)
         check_bool("Checkpointer.save", "save_overwrite", save_overwrite)
@@ -86,8 +95,8 @@ class Checkpointer:
         process_group: ProcessGroup | None = None,
     ) -> AsyncSave[tuple[StorageMetadata, list[str]]]:
         """:meth:`save` in the background: returns once ``state_dict`` is staged (copied), so the
-        caller may change every tensor at once; the writes, checksums and commit go on in the
-        background. ``wait()`` / ``committed.result()`` on the returned :class:`AsyncSave` give
+        caller may change every tensor at once (the ``state_dict()`` of each ``Stateful`` value is
+        called before it returns); the writes, checksums and commit go on in the background. ``wait()`` / ``committed.result()`` on the returned :class:`AsyncSave` give
         what :meth:`save` returns, or raise its error. Every rank calls it together.
         """
         check_arg("Checkpointer.async_save", "state_dict", state_dict, dict)
@@ -125,6 +134,11 @@ class Checkpointer:
     ) -> None:
         """Fill the tensors of ``state_dict`` in place and replace its non-tensor values.
 
+        ``state_dict`` may nest as on save: tensors in nested dicts are filled in place and values
+        replaced in the dict that holds them; for a ``Stateful`` value, the target is its
+        ``state_dict()``, and its ``load_state_dict`` gets the loaded state once every rank has
+        loaded. A missing key is named dotted (``optim.state.0.exp_avg``).
+
         Any save layout loads into any target layout. Each rank reads only the bytes its pieces
         need. Raises ``MissingKeyError``, ``ShapeMismatchError`` or ``DtypeMismatchError`` when a
         target does not match the checkpoint, ``CorruptCheckpointError`` when stored bytes fail
@@ -155,8 +169,11 @@ class Checkpointer:
         started = time.monotonic()
         nread = [0]
 
-        def run() -> dict[str, Any]:
-            tensors, objects = describe_state(state_dict, targets=True)
+        def run() -> tuple[Targets, dict[str, Any]]:
+            targets = load_targets(
+                state_dict, _StoredValues(meta), lambda: [*meta.tensors, *meta.objects, *meta.pickled_objects]
+            )
+            tensors, objects = describe_state(targets.flat, targets=True)
             _check_targets(meta, tensors, list(objects), storage.url)
             values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=self.allow_pickle, where=storage.url)
             with Reader(storage, self.knobs) as reader:
@@ -166,9 +183,10 @@ class Checkpointer:
                 "load %s: rank %d of %d filled %d tensors and %d values, %d bytes read, %.2f s",
                 storage.url, comm.rank, comm.world_size, len(tensors), len(values), nread[0], time.monotonic() - started,
             )
-            return values
+            return targets, values
 
-        state_dict.update(comm.check(run))  # only success or failure travels; the values stay here
+        targets, values = comm.check(run)  # only success or failure travels; the values stay here
+        targets.apply(values)  # the values in place, then each Stateful's load_state_dict
         if comm.is_coordinator:
             seconds = time.monotonic() - started
             log.info(
@@ -281,6 +299,16 @@ def _read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
     raw = comm.broadcast(read)
     with paused_gc():
         return StorageMetadata.from_json(raw, where=where).bind(storage)
+
+
+class _StoredValues:
+    """The keys ``meta`` stores as values (``in`` only)."""
+
+    def __init__(self, meta: StorageMetadata) -> None:
+        self.meta = meta
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.meta.objects or key in self.meta.pickled_objects
 
 
 def _check_targets(meta: StorageMetadata, tensors: list[LocalTensor], objects: list[str], where: str) -> None:

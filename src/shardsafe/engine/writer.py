@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from .._gc import paused_gc
 from ..adapters import LocalTensor, describe_state
 from ..adapters.describe import DescribeCache
+from ..adapters.nested import flatten_state
 from ..dist import Comm, background_comm
 from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
@@ -121,6 +122,7 @@ def async_save_state(
     """
     before_save(storage.url, max_in_flight=knobs.async_max_in_flight)
     side = background_comm(comm, timeout_s=knobs.collective_timeout_s)
+    state_dict = flatten_state(state_dict)  # Stateful objects' state_dict() called here, once, in the caller's thread
     with paused_gc():
         tensors, objects = describe_state(state_dict, cache=_DESCRIBED)
     total, pinned = 0, False
@@ -246,7 +248,7 @@ def _prepare(
     def describe(full: bool) -> _RankDescription:
         if not mine_desc:
             if described is None:
-                tensors, objects = describe_state(state_dict)
+                tensors, objects = describe_state(flatten_state(state_dict))
                 encoded = encode_objects(objects, allow_pickle=allow_pickle)
             else:
                 tensors, encoded = described()
