@@ -229,6 +229,14 @@ def test_lightning_fsdp_strategy_resumes_with_the_same_losses(tmp_path):
     (again,) = run_ranks(1, _lightning_fit, str(tmp_path / "again"), 6, step4, backend=NCCL, timeout=120)
     assert again[0] == full[0][4:] and again[1:] == full[1:] == (6, 3)
 
+    # the same checkpoint resumes on 2 CPU ranks under shardsafe's DDPStrategy: each rank takes half of
+    # the batch, so the mean of the two ranks' losses is the GPU run's loss at each step (up to rounding)
+    from .test_lightning import _fit
+
+    two = run_ranks(2, _fit, "ddp", str(tmp_path / "cpu"), 6, step4, timeout=120)
+    assert [r[1:] for r in two] == [(6, 3)] * 2
+    assert [(a + b) / 2 for a, b in zip(two[0][0], two[1][0])] == pytest.approx(full[0][4:], rel=1e-4)
+
     # the final checkpoint consolidates to Lightning's single-file layout, equal to FSDP's own full state dict
     out = str(tmp_path / "last.consolidated")
     shardsafe.lightning.consolidate(os.path.join(ckpts, "step=6.ckpt"), out)
