@@ -33,15 +33,24 @@ def targets_done(progress: Progress | None, targets: list[Any]) -> Callable[[Any
     """A ``done(target)`` callback for :meth:`Reader.load_tensors` reporting ``progress(bytes of
     targets filled, bytes of all of targets)`` (each a ``LocalTensor``); ``None`` without
     ``progress``. Reports ``(0, total)`` at once, so a bar shows from the start."""
+    add = bytes_counter(progress, sum(v.numel() * v.element_size() for t in targets for v in t.views))
+    if add is None:
+        return None
+    return lambda target: add(sum(v.numel() * v.element_size() for v in target.views))
+
+
+def bytes_counter(progress: Progress | None, total: int) -> Callable[[int], None] | None:
+    """An ``add(nbytes)`` callback reporting ``progress(bytes added so far, total)``; ``None``
+    without ``progress``. Reports ``(0, total)`` at once, so a bar shows from the start."""
     if progress is None:
         return None
-    total = sum(v.numel() * v.element_size() for t in targets for v in t.views)
-    done = [0]
+    done = 0
     progress(0, total)
 
-    def add(target: Any) -> None:
-        done[0] += sum(v.numel() * v.element_size() for v in target.views)
-        progress(done[0], total)
+    def add(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        progress(done, total)
 
     return add
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ._args import check_arg, check_bool
+from ._progress import Progress, rank_progress
 from .adapters.modules import ParamInfo, model_state
 from .adapters.optim import (
     GROUPS_KEY,
@@ -59,6 +60,7 @@ def save_model_and_optim_state(
     *,
     knobs: Knobs | None = None,
     process_group: ProcessGroup | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Save the model's parameters and persistent buffers and the optimizer's state.
 
@@ -67,8 +69,15 @@ def save_model_and_optim_state(
     ``use_orig_params=True``; the result loads into any of them at any world size with
     :func:`load_model_and_optim_state`. Returns the files this rank wrote. ``process_group``:
     the ranks that take part (default: all).
+
+    ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+    callable is called on every rank as ``progress(done, total)`` with the bytes of this rank's
+    data file written so far, out of its tensor bytes (known once the save is planned), from the
+    thread that writes; ``(total, total)`` once the file is complete.
     """
-    return _save_model_and_optim("save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group, False)
+    return _save_model_and_optim(
+        "save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group, False, progress
+    )
 
 
 def async_save_model_and_optim_state(
@@ -79,11 +88,18 @@ def async_save_model_and_optim_state(
     *,
     knobs: Knobs | None = None,
     process_group: ProcessGroup | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
 ) -> AsyncSave[list[str]]:
     """:func:`save_model_and_optim_state` in the background: returns once the state is staged
     (training may go on and change every parameter); ``wait()`` on the result returns the files
-    this rank wrote once the checkpoint is committed, or raises the save's error."""
-    return _save_model_and_optim("async_save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group, True)
+    this rank wrote once the checkpoint is committed, or raises the save's error.
+
+    ``progress``: as for :func:`save_model_and_optim_state`; the bar is drawn, and a callable
+    called, by the background thread that writes, after this call has returned (the last call,
+    with ``(total, total)``, comes before the save commits)."""
+    return _save_model_and_optim(
+        "async_save_model_and_optim_state", dir, model, optim, save_overwrite, knobs, process_group, True, progress
+    )
 
 
 def model_and_optim_values(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -97,7 +113,7 @@ def model_and_optim_values(model: nn.Module, optim: torch.optim.Optimizer | None
 
 def _save_model_and_optim(
     func: str, dir: Location, model: Any, optim: Any, save_overwrite: Any, knobs: Any, process_group: ProcessGroup | None,
-    background: bool,
+    background: bool, progress: bool | Progress | None,
 ) -> Any:
     _check_model_args(func, model, optim, knobs)
     check_bool(func, "save_overwrite", save_overwrite)
@@ -106,9 +122,10 @@ def _save_model_and_optim(
     state = model_and_optim_values(model, optim)
     # an async save's ranks meet in the background (see async_save_state)
     comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s, arrive=not background)
+    bar = rank_progress(progress, func, comm.is_coordinator)
     if not background:
-        return ckpt._save(storage, state, save_overwrite, comm, want_meta=False)[1]  # only the files are returned
-    return ckpt._async_save(storage, state, save_overwrite, comm, result=lambda out: out[1], want_meta=False)
+        return ckpt._save(storage, state, save_overwrite, comm, want_meta=False, progress=bar)[1]  # only the files are returned
+    return ckpt._async_save(storage, state, save_overwrite, comm, result=lambda out: out[1], want_meta=False, progress=bar)
 
 
 def load_model_and_optim_state(
@@ -119,6 +136,7 @@ def load_model_and_optim_state(
     *,
     knobs: Knobs | None = None,
     process_group: ProcessGroup | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
 ) -> None:
     """Load a checkpoint of :func:`save_model_and_optim_state` into ``model`` (and ``optim``) in place.
 
@@ -130,13 +148,18 @@ def load_model_and_optim_state(
     Every element of every target is overwritten or an error is raised, always. ``validate``
     additionally refuses a checkpoint that holds model or optimizer keys the targets lack
     (``MissingKeyError`` is raised either way for keys the targets need and the checkpoint lacks).
+
+    ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+    callable is called on every rank as ``progress(done, total)`` with the bytes of this rank's
+    targets filled so far (from the thread that loads).
     """
     _check_model_args("load_model_and_optim_state", model, optim, knobs)
     check_bool("load_model_and_optim_state", "validate", validate)
     ckpt = Checkpointer(knobs=knobs)
     storage = open_storage(dir)
     comm = get_comm(process_group=process_group, call="shardsafe.load_model_and_optim_state", timeout_s=ckpt.knobs.collective_timeout_s)
-    _load_state(ckpt, storage, comm, model, optim, validate=validate)
+    bar = rank_progress(progress, "load_model_and_optim_state", comm.is_coordinator)
+    _load_state(ckpt, storage, comm, model, optim, validate=validate, progress=bar)
 
 
 def _load_state(
@@ -149,6 +172,7 @@ def _load_state(
     validate: bool,
     more_targets: Callable[[StorageMetadata], dict[str, Any]] | None = None,
     more_apply: Callable[[dict[str, Any]], None] | None = None,
+    progress: Progress | None = None,
 ) -> None:
     """Load ``model`` and ``optim`` (either may be None; ``optim`` only with its ``model``) in
     place and, in the same pass, the targets ``more_targets(metadata)`` returns; then hand the
@@ -172,7 +196,7 @@ def _load_state(
 
     comm.check(targets)
     state = holder["state"]
-    ckpt._load(storage, state, comm, meta)  # the storage already opened: one client, not two
+    ckpt._load(storage, state, comm, meta, progress)  # the storage already opened: one client, not two
 
     def apply() -> None:
         if optim is not None:
@@ -192,7 +216,7 @@ def _check_model_args(func: str, model: Any, optim: Any, knobs: Any) -> None:
 
 def _unshard_prefix(
     func: str, dir: Location, prefix: str, what: str, device: Any, rank0_only: Any, no_dist: Any, knobs: Any,
-    process_group: ProcessGroup | None,
+    process_group: ProcessGroup | None, progress: bool | Progress | None,
 ) -> tuple[dict[str, Any], Comm]:
     """The keys under ``prefix``, unsharded, for the public function ``func``; ``what`` says
     what is missing when no key has the prefix."""
@@ -203,8 +227,9 @@ def _unshard_prefix(
     ckpt = Checkpointer(knobs=knobs)
     storage = open_storage(dir)
     comm = get_comm(no_dist, process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s)
+    bar = rank_progress(progress, func, comm.is_coordinator)
     try:
-        return ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix=prefix), comm
+        return ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix=prefix, progress=bar), comm
     except MissingKeyError as e:
         raise MissingKeyError(f"{storage.url}: {what}: {e}") from None  # the URL: ``dir`` may be a Storage
 
@@ -239,6 +264,7 @@ def unshard_model_state(
     *,
     knobs: Knobs | None = None,
     process_group: ProcessGroup | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The full model state dict (parameter name -> whole tensor) of a model/optimizer checkpoint.
 
@@ -246,9 +272,15 @@ def unshard_model_state(
     all) calls it together; with ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
     collective at all (any rank may call it alone). Only model tensors are read; a checkpoint
     without any raises ``MissingKeyError``.
+
+    ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+    callable is called on every rank as ``progress(done, total)`` with the bytes of the tensors
+    this rank has filled so far (from the thread that unshards).
     """
     what = "no model state in the checkpoint (was it saved by save_model_and_optim_state?)"
-    flat, _ = _unshard_prefix("unshard_model_state", dir, MODEL_PREFIX, what, device, rank0_only, no_dist, knobs, process_group)
+    flat, _ = _unshard_prefix(
+        "unshard_model_state", dir, MODEL_PREFIX, what, device, rank0_only, no_dist, knobs, process_group, progress
+    )
     return flat
 
 
@@ -260,6 +292,7 @@ def unshard_optim_state(
     *,
     knobs: Knobs | None = None,
     process_group: ProcessGroup | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """The full optimizer state, keyed by parameter name: ``{"state": {name: {state name: value}},
     "param_groups": [{..hyper-parameters.., "params": [name, ...]}]}``.
@@ -267,9 +300,15 @@ def unshard_optim_state(
     Needs no process group. In a distributed context every rank of ``process_group`` (default:
     all) calls it together; with ``rank0_only`` the other ranks get ``{}``; ``no_dist`` uses no
     collective at all (any rank may call it alone). Only optimizer state is read.
+
+    ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+    callable is called on every rank as ``progress(done, total)`` with the bytes of the tensors
+    this rank has filled so far (from the thread that unshards).
     """
     what = f"no optimizer state in the checkpoint (no {GROUPS_KEY!r})"
-    flat, comm = _unshard_prefix("unshard_optim_state", dir, "optim.", what, device, rank0_only, no_dist, knobs, process_group)
+    flat, comm = _unshard_prefix(
+        "unshard_optim_state", dir, "optim.", what, device, rank0_only, no_dist, knobs, process_group, progress
+    )
     if not flat and rank0_only and comm.rank != 0:
         return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
     return optim_state_of(flat, _where(dir))

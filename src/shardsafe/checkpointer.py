@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,7 @@ import torch
 
 from ._args import check_arg, check_bool
 from ._gc import paused_gc
-from ._progress import Progress, rank_progress, targets_done
+from ._progress import Progress, bytes_counter, rank_progress, targets_done
 from .adapters import LocalTensor, describe_state
 from .adapters.nested import Targets, load_targets
 from .dist import Comm, get_comm
@@ -69,6 +70,7 @@ class Checkpointer:
         save_overwrite: bool = False,
         *,
         process_group: ProcessGroup | None = None,
+        progress: bool | Callable[[int, int], None] | None = None,
     ) -> tuple[StorageMetadata, list[str]]:
         """Save ``state_dict``; returns the storage metadata and the files this rank created.
 
@@ -80,11 +82,17 @@ class Checkpointer:
         ``dir``; ``MissingRanksError`` is raised if some do not call within
         ``knobs.collective_timeout_s``. ``PickleNotAllowedError`` names the element of a value
         that cannot be stored (``optim.param_groups[0].betas``).
+
+        ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+        callable is called on every rank as ``progress(done, total)`` with the bytes of this
+        rank's data file written so far, out of its tensor bytes (known once the save is
+        planned), from the thread that writes; ``(total, total)`` once the file is complete.
         """
         check_arg("Checkpointer.save", "state_dict", state_dict, dict)
         check_bool("Checkpointer.save", "save_overwrite", save_overwrite)
         storage = open_storage(dir)
-        return self._save(storage, state_dict, save_overwrite, self._comm("save", False, process_group))
+        comm = self._comm("save", False, process_group)
+        return self._save(storage, state_dict, save_overwrite, comm, progress=rank_progress(progress, "save", comm.is_coordinator))
 
     def async_save(
         self,
@@ -93,33 +101,40 @@ class Checkpointer:
         save_overwrite: bool = False,
         *,
         process_group: ProcessGroup | None = None,
+        progress: bool | Callable[[int, int], None] | None = None,
     ) -> AsyncSave[tuple[StorageMetadata, list[str]]]:
         """:meth:`save` in the background: returns once ``state_dict`` is staged (copied), so the
         caller may change every tensor at once (the ``state_dict()`` of each ``Stateful`` value is
         called before it returns); the writes, checksums and commit go on in the background. ``wait()`` / ``committed.result()`` on the returned :class:`AsyncSave` give
         what :meth:`save` returns, or raise its error. Every rank calls it together.
+
+        ``progress``: as for :meth:`save`; the bar is drawn, and a callable called, by the
+        background thread that writes, after this call has returned (the last call, with
+        ``(total, total)``, comes before ``committed`` completes).
         """
         check_arg("Checkpointer.async_save", "state_dict", state_dict, dict)
         check_bool("Checkpointer.async_save", "save_overwrite", save_overwrite)
         storage = open_storage(dir)
         comm = self._comm("async_save", False, process_group, arrive=False)  # the ranks meet in the background
-        return self._async_save(storage, state_dict, save_overwrite, comm)
+        bar = rank_progress(progress, "async_save", comm.is_coordinator)
+        return self._async_save(storage, state_dict, save_overwrite, comm, progress=bar)
 
     def _async_save(
         self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm, *, result: Any = None,
-        want_meta: bool = True,
+        want_meta: bool = True, progress: Progress | None = None,
     ) -> AsyncSave[Any]:
         return async_save_state(
             storage, state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle, comm=comm, knobs=self.knobs,
-            result=result, want_meta=want_meta,
+            result=result, want_meta=want_meta, progress=progress,
         )
 
     def _save(
-        self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm, *, want_meta: bool = True
+        self, storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, comm: Comm, *, want_meta: bool = True,
+        progress: Progress | None = None,
     ) -> tuple[StorageMetadata, list[str]]:
         return save_state(  # type: ignore[return-value]  # the metadata is there when want_meta
             storage, state_dict, save_overwrite=save_overwrite, allow_pickle=self.allow_pickle, comm=comm, knobs=self.knobs,
-            want_meta=want_meta,
+            want_meta=want_meta, progress=progress,
         )
 
     def load(
@@ -204,6 +219,7 @@ class Checkpointer:
         *,
         prefix: str | None = None,
         process_group: ProcessGroup | None = None,
+        progress: bool | Callable[[int, int], None] | None = None,
     ) -> dict[str, Any]:
         """The full (unsharded) state dict: every tensor whole, and the non-tensor values.
 
@@ -213,6 +229,11 @@ class Checkpointer:
         get ``{}``; with ``no_dist`` no collective is used at all, so any rank may call it
         alone. With ``prefix``, only the keys that start with it are read, and returned without
         it; a prefix that no key starts with raises ``MissingKeyError``.
+
+        ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+        callable is called on every rank as ``progress(done, total)`` with the bytes of the
+        tensors this rank has filled so far (from the thread that unshards; a rank that reads
+        nothing, with ``rank0_only``, reports ``(0, 0)``).
         """
         check_arg("Checkpointer.unshard", "device", device, (torch.device, str), optional=True)
         check_bool("Checkpointer.unshard", "rank0_only", rank0_only)
@@ -221,7 +242,8 @@ class Checkpointer:
         check_arg("Checkpointer.unshard", "prefix", prefix, str, optional=True)
         storage = open_storage(dir)
         comm = self._comm("unshard", no_dist, process_group)
-        return self._unshard(storage, comm, device=device, rank0_only=rank0_only, num_threads=num_threads, prefix=prefix)
+        bar = rank_progress(progress, "unshard", comm.is_coordinator)
+        return self._unshard(storage, comm, device=device, rank0_only=rank0_only, num_threads=num_threads, prefix=prefix, progress=bar)
 
     def _unshard(
         self,
@@ -232,9 +254,12 @@ class Checkpointer:
         rank0_only: bool,
         num_threads: int | None = None,
         prefix: str | None,
+        progress: Progress | None = None,
     ) -> dict[str, Any]:
         meta = _read_metadata(storage, comm)
         if rank0_only and comm.rank != 0:
+            if progress is not None:
+                progress(0, 0)
             return {}
         device = torch.device(device) if device is not None else torch.device("cpu")
         out: dict[str, Any] = {}
@@ -255,12 +280,15 @@ class Checkpointer:
             meta.resolver.prefetch(holders, self.knobs.io_threads)
         check_files_hold(storage, ((key, meta.tensors[key]) for key in selected.values()))  # before allocating
         started = time.monotonic()
+        add = bytes_counter(progress, sum(math.prod(meta.tensors[k].shape) * meta.tensors[k].torch_dtype.itemsize for k in selected.values()))
         with Reader(storage, self.knobs, num_threads=num_threads) as reader:
             for name, key in selected.items():
                 tm = meta.tensors[key]
                 full = torch.empty(tm.shape, dtype=tm.torch_dtype)
                 (target,), _ = describe_state({key: full})
                 reader.load_tensor(tm, target)
+                if add is not None:
+                    add(full.numel() * full.element_size())
                 out[name] = full if device.type == "cpu" else full.to(device)
             nread = reader.bytes_read
         values = decode_objects(meta.objects, meta.pickled_objects, list(wanted.values()), allow_pickle=self.allow_pickle, where=storage.url)

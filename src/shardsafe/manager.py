@@ -25,7 +25,7 @@ import logging
 import re
 import signal as signal_module
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ._args import check_arg, check_bool
+from ._progress import Progress, rank_progress
 from .adapters.stateful import ExtraRestore, check_extra, extra_targets, extra_values
 from .api import _load_state, model_and_optim_values
 from .checkpointer import Checkpointer
@@ -174,6 +175,8 @@ class CheckpointManager:
         optim: torch.optim.Optimizer | None = None,
         extra: dict[str, Any] | None = None,
         force: bool = False,
+        *,
+        progress: bool | Callable[[int, int], None] | None = None,
     ) -> bool:
         """Save ``model``, ``optim`` and every ``extra`` object as step ``step``, one checkpoint
         with one commit, if :meth:`should_save` says so or ``force``; returns whether it saved.
@@ -185,6 +188,11 @@ class CheckpointManager:
         stateful data loader, :class:`~shardsafe.RNGState`); each rank's state is stored under
         its own keys. ``force`` on a step that is already committed raises
         ``CheckpointExistsError``: steps are never replaced.
+
+        ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+        callable is called on every rank as ``progress(done, total)`` with the bytes of this
+        rank's data file written so far, out of its tensor bytes, from the thread that writes (with
+        ``async_save``, the background thread, after this call has returned).
         """
         func = "CheckpointManager.save"
         self._check_open("save")
@@ -192,6 +200,7 @@ class CheckpointManager:
         _check_model(func, model, optim)
         extra = check_extra(func, extra)
         check_bool(func, "force", force)
+        bar = rank_progress(progress, func, self._comm.is_coordinator)
         self._finish_inflight()
         if not force:
             decided = self._decided if self._decided is not None and self._decided[0] == step else None
@@ -222,7 +231,7 @@ class CheckpointManager:
         state = built
         # the ranks meet in the background; only committed-or-not travels back, not the metadata
         save_comm = self._ckpt._comm("async_save", False, self._group, arrive=False)
-        handle = self._ckpt._async_save(self._root.child(step_dir_name(step)), state, False, save_comm, want_meta=False)
+        handle = self._ckpt._async_save(self._root.child(step_dir_name(step)), state, False, save_comm, want_meta=False, progress=bar)
         self._inflight = (step, handle)
         self._requested = False
         if not self._async:
@@ -243,6 +252,8 @@ class CheckpointManager:
         model: nn.Module | None = None,
         optim: torch.optim.Optimizer | None = None,
         extra: dict[str, Any] | None = None,
+        *,
+        progress: bool | Callable[[int, int], None] | None = None,
     ) -> int | None:
         """Load step ``step`` (default: the latest committed) into ``model``, ``optim`` and every
         ``extra`` object, in place, in one pass; returns the step, or None when ``step`` is None
@@ -255,6 +266,10 @@ class CheckpointManager:
         for objects that keep their state then (``RNGState``; see
         :func:`shardsafe.adapters.stateful.extra_targets`). Tensors in extra state are handed to
         ``load_state_dict`` on the CPU. Waits for a save in flight first.
+
+        ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
+        callable is called on every rank as ``progress(done, total)`` with the bytes of this
+        rank's targets filled so far (from the thread that loads).
         """
         func = "CheckpointManager.restore"
         self._check_open("restore")
@@ -262,6 +277,7 @@ class CheckpointManager:
             _check_step(func, step)
         _check_model(func, model, optim)
         extra = check_extra(func, extra)
+        bar = rank_progress(progress, func, self._comm.is_coordinator)
         self._finish_inflight()
         if step is None:
             step = self.latest_step()
@@ -273,11 +289,11 @@ class CheckpointManager:
                 f"{_steps_text(self._steps)})"
             )
         with self._being_read(step):
-            self._load(step, model, optim, extra)
+            self._load(step, model, optim, extra, bar)
         self._decided = None
         return step
 
-    def _load(self, step: int, model: Any, optim: Any, extra: dict[str, Any]) -> None:
+    def _load(self, step: int, model: Any, optim: Any, extra: dict[str, Any], progress: Progress | None) -> None:
         storage = self._root.child(step_dir_name(step))
         comm = self._call_comm("restore")
         plan: list[ExtraRestore] = []
@@ -298,7 +314,7 @@ class CheckpointManager:
             for item in plan:
                 item.apply(loaded, storage.url)
 
-        _load_state(self._ckpt, storage, comm, model, optim, validate=True, more_targets=targets, more_apply=apply)
+        _load_state(self._ckpt, storage, comm, model, optim, validate=True, more_targets=targets, more_apply=apply, progress=progress)
 
     # --- end ------------------------------------------------------------------------------------------
 

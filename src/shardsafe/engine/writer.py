@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from .._gc import paused_gc
+from .._progress import Progress
 from ..adapters import LocalTensor, describe_state
 from ..adapters.describe import DescribeCache
 from ..adapters.nested import flatten_state
@@ -52,23 +53,26 @@ _DESCRIBED = DescribeCache()  # async saves' caller waits for describing: the sa
 
 def save_state(
     storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
-    want_meta: bool = True,
+    want_meta: bool = True, progress: Progress | None = None,
 ) -> tuple[StorageMetadata | None, list[str]]:
     """A synchronous save: the async path with no staging copy (this rank's bytes are read from
     the caller's tensors while it waits) and the last phase in the caller's thread. Device
-    tensors go to the host through a bounded pinned ring instead (:func:`_finish_from_device`)."""
+    tensors go to the host through a bounded pinned ring instead (:func:`_finish_from_device`).
+    ``progress``: see :func:`_write_file`."""
     before_save(storage.url, max_in_flight=None)
     p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
     devices = {d for it in p.mine.items if (d := p.local[it.key].views[it.piece_index].device).type == "cuda"}
     if devices:
-        return _finish_from_device(p, comm, devices, want_meta=want_meta)
-    return _finish(p, comm, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)), want_meta=want_meta)
+        return _finish_from_device(p, comm, devices, want_meta=want_meta, progress=progress)
+    return _finish(p, comm, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)), want_meta=want_meta, progress=progress)
 
 
 SYNC_DEVICE_RING_BYTES = 256 << 20  # the pinned ring a synchronous save of device tensors copies through (kept for the next save, as async rings are)
 
 
-def _finish_from_device(p: _Prepared, comm: Comm, devices: set[Any], *, want_meta: bool) -> tuple[StorageMetadata | None, list[str]]:
+def _finish_from_device(
+    p: _Prepared, comm: Comm, devices: set[Any], *, want_meta: bool, progress: Progress | None
+) -> tuple[StorageMetadata | None, list[str]]:
     """A synchronous save of a rank holding CUDA tensors: a helper thread copies them, block by
     block, into a pinned ring (non-blocking, on a side stream) while this thread checksums and
     writes what is already on the host: the async save's staging with a bounded ring, so no host
@@ -98,7 +102,7 @@ def _finish_from_device(p: _Prepared, comm: Comm, devices: set[Any], *, want_met
     copier = threading.Thread(target=produce, name=f"shardsafe-stage-{p.save_id}", daemon=True)
     copier.start()
     try:
-        return _finish(p, comm, units, after_write=ring.abort, want_meta=want_meta)
+        return _finish(p, comm, units, after_write=ring.abort, want_meta=want_meta, progress=progress)
     finally:
         ring.abort()
         copier.join()
@@ -108,10 +112,12 @@ def _finish_from_device(p: _Prepared, comm: Comm, devices: set[Any], *, want_met
 def async_save_state(
     storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
     result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None = None, want_meta: bool = True,
+    progress: Progress | None = None,
 ) -> AsyncSave[Any]:
     """Stage this rank's state into a reused buffer and return; the planning, the write and the
     commit go on in the background (see :mod:`.background`). The save's outcome is what
-    :func:`save_state` returns, passed through ``result`` if given.
+    :func:`save_state` returns, passed through ``result`` if given. ``progress`` is called by
+    the background thread that writes (see :func:`_write_file`).
 
     ``comm`` has not checked in yet (see :func:`~shardsafe.dist.get_comm`): when the rank's
     tensors fit ``knobs.async_staging_bytes``, the caller is blocked only for describing them and
@@ -132,7 +138,7 @@ def async_save_state(
             pinned = pinned or v.device.type == "cuda"
     if total > knobs.async_staging_bytes:
         comm.arrive(knobs.collective_timeout_s)
-        return _async_save_in_parts(storage, state_dict, save_overwrite, allow_pickle, comm, side, knobs, result, want_meta)
+        return _async_save_in_parts(storage, state_dict, save_overwrite, allow_pickle, comm, side, knobs, result, want_meta, progress)
     encoded = encode_objects(objects, allow_pickle=allow_pickle)  # a snapshot of the values, too
     ring = RINGS.acquire(total, pinned=pinned)
     staged: list[Any] = []
@@ -159,7 +165,7 @@ def async_save_state(
         try:
             side.arrive(knobs.collective_timeout_s)
             p = _prepare(storage, {}, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=side, knobs=knobs, described=described)
-            out = _finish(p, side, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)), want_meta=want_meta)
+            out = _finish(p, side, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)), want_meta=want_meta, progress=progress)
         finally:
             ready.wait()  # the staging copies are done (or failed): the buffer may be reused
             RINGS.release(ring)
@@ -171,7 +177,7 @@ def async_save_state(
 
 def _async_save_in_parts(
     storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, allow_pickle: bool, comm: Comm, side: Comm,
-    knobs: Knobs, result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None, want_meta: bool,
+    knobs: Knobs, result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None, want_meta: bool, progress: Progress | None,
 ) -> AsyncSave[Any]:
     """An async save of a rank whose state exceeds the staging budget: plan first (in the caller's
     thread, with ``comm``), then stage only this rank's share through the buffer as the writer
@@ -206,7 +212,7 @@ def _async_save_in_parts(
             ring.abort()  # a producer still waiting for room stops: the save failed
             RINGS.release(ring)
 
-        out = _finish(p, side, units, after_write=done_writing, want_meta=want_meta)
+        out = _finish(p, side, units, after_write=done_writing, want_meta=want_meta, progress=progress)
         return result(out) if result is not None else out
 
     return run_in_background(storage.url, produce, consume, name=f"shardsafe-save-{p.save_id}")
@@ -321,7 +327,8 @@ def _prepare(
 
 
 def _finish(
-    p: _Prepared, comm: Comm, units: Iterable[Unit], *, after_write: Callable[[], None] | None = None, want_meta: bool = True
+    p: _Prepared, comm: Comm, units: Iterable[Unit], *, after_write: Callable[[], None] | None = None, want_meta: bool = True,
+    progress: Progress | None = None,
 ) -> tuple[StorageMetadata | None, list[str]]:
     """Write this rank's file from ``units``, then commit (the coordinator) with ``comm``'s ranks.
 
@@ -333,7 +340,7 @@ def _finish(
 
     def write() -> list[str]:
         try:
-            return _write_file(storage, mine, units, knobs)
+            return _write_file(storage, mine, units, knobs, progress)
         finally:
             if after_write is not None:
                 after_write()
@@ -443,18 +450,24 @@ def _check_tensor_or_value(descs: list[list[TensorDesc]], gathered: list[_RankDe
         )
 
 
-def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], knobs: Knobs) -> str:
+def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], knobs: Knobs, progress: Progress | None = None) -> str:
     """Write this rank's data file from ``units`` (each item's bytes, in order), then the
     checksum entry (every block's digest, item after item); returns the digest of that entry
     (empty when the rank writes no file).
 
     Each unit is checksummed, then handed to a write-behind thread, so the checksums of one unit
     (and the copy or device-to-host transfer of the next) overlap the write of the one before.
+    ``progress(done, total)`` (in this thread): the bytes of the items handed to the writer so
+    far out of all of them; ``(total, total)`` only once the file is complete.
     """
+    total = sum(it.byte_range[1] - it.byte_range[0] for it in plan.items) if progress is not None else 0
+    if progress is not None:
+        progress(0, total)
     if plan.file is None:
         for _ in units:  # nothing to write: the units (none are expected) are drained all the same
             pass
         return ""
+    done = 0
     cblock = knobs.checksum_block_bytes
     digests: list[list[int]] = [[] for _ in plan.items]
     with storage.write_file(plan.file) as out, WriteBehind(out) as behind:
@@ -465,6 +478,10 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
             data = u.data if isinstance(u.data, memoryview) else memoryview(u.data.numpy())
             digest_blocks(data, cblock, digests[u.index])  # before the unit can be released
             behind.write(data, u.release)
+            if progress is not None:
+                done += data.nbytes
+                if done < total:  # the last report waits for the file to be complete
+                    progress(done, total)
         sums = struct.pack(f"<{sum(map(len, digests))}Q", *(x for d in digests for x in d))
         if len(sums) != plan.sums_range[1] - plan.sums_range[0]:
             raise CheckpointError(
@@ -472,6 +489,8 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
                 f"{plan.sums_range[1] - plan.sums_range[0]}; a unit was lost between staging and writing"
             )
         behind.write(memoryview(sums))
+    if progress is not None and total:
+        progress(total, total)
     return file_digest(sums)
 
 
