@@ -7,7 +7,21 @@ Flat state dicts: Checkpointer (save, async_save, load, unshard, get_metadata); 
 Training loops: CheckpointManager; RNGState; ShardedTensor (Megatron-style boxes)
 Hugging Face: unshard_to_safetensors (one file or a sharded folder), load_hf_safetensors
 Checks: verify -> VerifyReport
-Errors: CheckpointError and its subclasses (every error bad input or damage can cause)
+
+Errors: every error bad input, damage or a failed peer can cause is a CheckpointError, importable
+from here (documented one by one in shardsafe.errors):
+    CheckpointExistsError (also FileExistsError): a committed checkpoint is there, no overwrite
+    IncompleteCheckpointError (also FileNotFoundError): no committed checkpoint (no metadata.json)
+    ForeignCheckpointError (also ValueError): another library's checkpoint; names its way in
+    CorruptCheckpointError: a checksum, a truncated file, invalid metadata
+        UnsafePickleError: a pickle (DCP's .metadata) names a class outside the allowlist
+    MissingKeyError (also KeyError), ShapeMismatchError, DtypeMismatchError: target vs checkpoint
+    ShardingError: pieces that do not tile a tensor, an unsupported placement
+    PickleNotAllowedError: a value needs pickle and allow_pickle was not given
+    RankMismatchError: ranks passed different arguments to one collective call
+    CollectiveError: ranks could not finish a step together
+        MissingRanksError (also TimeoutError): some ranks never arrived
+    StorageError (also OSError): the storage backend failed
 Submodules: shardsafe.dcp (torch.distributed.checkpoint), shardsafe.megatron, shardsafe.storage
 (object stores), shardsafe.cli (the ``shardsafe`` command). The metadata models
 (StorageMetadata, TensorStorageMetadata, TensorShardSpec) are importable from here and
@@ -27,19 +41,20 @@ from .engine.background import AsyncSave
 from .engine.consolidate import unshard_to_safetensors
 from .errors import (
     CheckpointError,
-    CheckpointExistsError,
-    CollectiveError,
-    CorruptCheckpointError,
-    DtypeMismatchError,
-    ForeignCheckpointError,
-    IncompleteCheckpointError,
-    MissingKeyError,
-    MissingRanksError,
-    PickleNotAllowedError,
-    RankMismatchError,
-    ShapeMismatchError,
-    ShardingError,
-    StorageError,
+    CheckpointExistsError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    CollectiveError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    CorruptCheckpointError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    DtypeMismatchError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    ForeignCheckpointError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    IncompleteCheckpointError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    MissingKeyError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    MissingRanksError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    PickleNotAllowedError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    RankMismatchError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    ShapeMismatchError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    ShardingError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    StorageError,  # noqa: F401 - importable from here, documented in shardsafe.errors
+    UnsafePickleError,  # noqa: F401 - importable from here, documented in shardsafe.errors
 )
 from .format.metadata import StorageMetadata as StorageMetadata
 from .format.metadata import TensorShardSpec as TensorShardSpec
@@ -52,28 +67,16 @@ from .verify import VerifyReport, verify
 __version__ = "0.1.0"
 
 # ``__all__`` is what ``help(shardsafe)`` documents: the pydantic metadata models (hundreds of
-# inherited methods each) stay importable from here but are documented in their own module.
+# inherited methods each) and the error subclasses (each a page of BaseException's methods; the
+# docstring above lists them) stay importable from here but are documented in their own modules.
 
 __all__ = [
     "AsyncSave",
     "CheckpointError",
-    "CheckpointExistsError",
     "CheckpointManager",
     "Checkpointer",
-    "CollectiveError",
-    "CorruptCheckpointError",
-    "DtypeMismatchError",
-    "ForeignCheckpointError",
-    "IncompleteCheckpointError",
-    "MissingKeyError",
-    "MissingRanksError",
-    "PickleNotAllowedError",
     "RNGState",
-    "RankMismatchError",
-    "ShapeMismatchError",
     "ShardedTensor",
-    "ShardingError",
-    "StorageError",
     "VerifyReport",
     "async_save_model_and_optim_state",
     "load_hf_safetensors",
