@@ -132,7 +132,10 @@ def _save_then_load(rank, ws, kind, path, mode):
     assert all(p.is_cuda for p in fresh.parameters())
     got = _local(fresh, optim2)
     faulthandler.cancel_dump_traceback_later()
-    assert len(want) == 6 * 4  # 6 parameters, each with exp_avg, exp_avg_sq and step
+    # every parameter; the optimizer state of those this rank holds a part of (FSDP1 gives a rank that
+    # holds none of a parameter an empty view, which AdamW keeps no state for)
+    assert sum(not k.startswith("optim.") for k in want) == 6 and sum(k.startswith("optim.") for k in want) % 3 == 0
+    assert sum(k.startswith("optim.") for k in want) >= (3 * 6 if kind == "fsdp2" or ws == 1 else 3)
     return [k for k in want if k not in got or not torch.equal(got[k], want[k])]
 
 
