@@ -830,3 +830,23 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
     p.stdout.close()  # as `| head -1` does
     _, err = p.communicate(timeout=120)
     assert (p.returncode, err) == (141, b"")
+
+
+def test_importing_shardsafe_does_not_import_dtensor():
+    """The command line starts without torch.distributed.tensor (half a second here); a DTensor
+    made after the import is still recognised (every DTensor test imports shardsafe first)."""
+    code = (
+        "import sys, shardsafe; assert 'torch.distributed.tensor' not in sys.modules, 'imported'\n"
+        "from shardsafe.adapters import describe_state\n"
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed.tensor import DTensor, Replicate, init_device_mesh\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, world_size=1)\n"
+        "t = DTensor.from_local(torch.ones(2, 3), init_device_mesh('cpu', (1,)), [Replicate()])\n"
+        "(lt,), _ = describe_state({'t': t}); print(lt.shape, len(lt.pieces))\n"
+        "dist.destroy_process_group()\n"
+    )
+    from .distributed import free_port
+
+    out = subprocess.run([sys.executable, "-c", code % free_port()], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["(2,", "3)", "1"]

@@ -12,6 +12,7 @@ taking it for a replicated tensor could store one rank's part as the whole.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from dataclasses import dataclass
 from itertools import product
@@ -25,15 +26,32 @@ from ..planning.geometry import Piece, chunk_bounds
 from .flat_sharded import flat_sharding
 from .sharded_tensor import ShardedTensor, view_as
 
-try:  # torch >= 2.4 ships DTensor here
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+DTensor: Any = None  # set by _dtensor() once torch.distributed.tensor is imported
+Replicate: Any = None
+Shard: Any = None
+_StridedShard: Any = None
 
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:  # pragma: no cover - older torch
-        _StridedShard = None  # type: ignore[assignment,misc]
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
+
+def _dtensor() -> Any:
+    """``DTensor``, or None while ``torch.distributed.tensor`` is not imported: no DTensor can
+    exist before it is, and importing it here would cost every process that imports shardsafe
+    about half a second (the command line's start included)."""
+    global DTensor, Replicate, Shard, _StridedShard
+    if DTensor is None and "torch.distributed.tensor" in sys.modules:
+        try:  # torch >= 2.4 ships DTensor here
+            from torch.distributed.tensor import DTensor as dtensor
+            from torch.distributed.tensor import Replicate as replicate
+            from torch.distributed.tensor import Shard as shard
+        except ImportError:  # pragma: no cover - older torch
+            return None
+        try:
+            from torch.distributed.tensor.placement_types import _StridedShard as strided
+        except ImportError:  # pragma: no cover - older torch
+            strided = None
+        Replicate, Shard, _StridedShard = replicate, shard, strided
+        DTensor = dtensor  # last: a thread that sees it sees the placements too
+    return DTensor
+
 
 __all__ = ["DescribeCache", "LocalTensor", "describe_state"]
 
@@ -75,7 +93,7 @@ class DescribeCache:
         """The description of ``value`` under ``name`` (None: not a tensor), or False when this
         kind of value is not cached."""
         cls = type(value)
-        if DTensor is not None and cls is DTensor:
+        if (dt := _dtensor()) is not None and cls is dt:
             local = value._local_tensor
         elif cls is torch.Tensor or cls is torch.nn.Parameter:
             local = value
@@ -166,7 +184,7 @@ def _describe(name: str, value: Any, targets: bool) -> LocalTensor | None:
             data = view_as(data, value.local_shape, value.key) if targets else data.reshape(value.local_shape)
         piece = (value.global_offset, value.local_shape, flat)
         return LocalTensor(value.key, data.dtype, dtype_name(data.dtype, key=value.key), value.global_shape, [piece], [data])
-    if DTensor is not None and isinstance(value, DTensor):
+    if (dt := _dtensor()) is not None and isinstance(value, dt):
         return _describe_dtensor(name, value)
     if not isinstance(value, torch.Tensor):
         return None
