@@ -130,22 +130,10 @@ def test_debug_prints_the_traceback_and_still_exits_2(tmp_path):
 # ------------------------------------------------------------------ on S3
 
 
-@pytest.fixture
-def s3(monkeypatch):
-    from .servers import fresh
-
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    for c in fresh("s3"):
-        for k, v in c.env.items():
-            monkeypatch.setenv(k, v)
-        yield c
+from .test_cli import s3  # noqa: E402,F401 - the S3 server with the standard AWS variables set
 
 
-def test_diff_on_s3(s3):
+def test_diff_on_s3(s3):  # noqa: F811 - the fixture imported above
     url = s3.url()
     a, b = url + "-a", url + "-b"
     Checkpointer().save(a, _state(0))
