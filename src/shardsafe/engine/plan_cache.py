@@ -20,7 +20,6 @@ plan; a plan does not depend on the directory, so saves to new step directories 
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import xxhash
 from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name
 
 __all__ = [
-    "CacheKey", "Entry", "count", "describe_digest", "lookup", "renamed", "renamed_plan", "reset", "stats",
+    "CacheKey", "Entry", "count", "describe_digest", "lookup", "renamed", "reset", "stats",
     "store_coordinator", "store_rank",
 ]
 
@@ -78,10 +77,6 @@ def renamed(rank_plan: RankWritePlan, rank: int, save_id: str) -> RankWritePlan:
     if rank_plan.file is None:
         return rank_plan
     return RankWritePlan(data_file_name(rank, save_id), rank_plan.header, rank_plan.items, rank_plan.sums_range)  # not replace(): thousands per save
-
-
-def renamed_plan(plan: SavePlan, save_id: str) -> SavePlan:
-    return dataclasses.replace(plan, ranks=tuple(renamed(rp, r, save_id) for r, rp in enumerate(plan.ranks)))
 
 
 def count(event: str) -> None:

@@ -298,7 +298,7 @@ def _prepare(
         _check_tensor_or_value(descs, gathered)
         if hit:
             plan_cache.count("hit")
-            state["plan"] = plan_cache.renamed_plan(cached.plan, save_id)  # type: ignore[arg-type]
+            state["plan"] = cached.plan  # committed under this save's file names (_build_metadata's save_id)
             state["save_id"] = save_id
             return [(None, save_id, cached.plan_id)] * comm.world_size  # type: ignore[list-item]
         plan_cache.count("miss")
@@ -356,7 +356,7 @@ def _finish(
         try:
             comm.raise_failures(written)
             with paused_gc():
-                meta = _build_metadata(state["plan"], written, state["objects"], knobs.checksum_block_bytes)  # type: ignore[union-attr]
+                meta = _build_metadata(state["plan"], written, state["objects"], knobs.checksum_block_bytes, save_id)  # type: ignore[union-attr]
             raw = meta.to_json()
             put_metadata(storage, raw, seen=state["seen"], save_overwrite=save_overwrite)
         except CommitUnknownError:
@@ -503,6 +503,7 @@ class _TableCache:
     def __init__(self) -> None:
         self._last: tuple[Any, dict[str, TensorStorageMetadata]] | None = None
         self._headers: dict[int, tuple[bytes, str]] = {}  # id(header) -> (header, its digest), the last plan's
+        self._files: tuple[SavePlan, list[tuple[int, int, int, str]]] | None = None  # the last plan's files (files())
 
     def get(self, tensors: Any) -> dict[str, TensorStorageMetadata] | None:
         last = self._last
@@ -514,6 +515,16 @@ class _TableCache:
     def forget_headers(self) -> None:
         """A new plan: the digests kept are of headers no later save will write."""
         self._headers = {}
+
+    def files(self, plan: SavePlan) -> list[tuple[int, int, int, str]]:
+        """(rank, size, header bytes, header digest) of each rank that writes a file, kept with
+        the plan object for the next save that reuses it."""
+        last = self._files
+        if last is not None and last[0] is plan:
+            return last[1]
+        out = [(rank, rp.size, len(rp.header), self.header_digest(rp.header)) for rank, rp in enumerate(plan.ranks) if rp.file is not None]
+        self._files = (plan, out)
+        return out
 
     def header_digest(self, header: bytes) -> str:
         """The digest of a data file's header: a renamed plan keeps its headers (the same bytes
@@ -531,23 +542,24 @@ _TABLES = _TableCache()
 
 
 def _build_metadata(
-    plan: SavePlan, sums: list[str], objects: tuple[dict[str, Any], dict[str, str]], block_bytes: int
+    plan: SavePlan, sums: list[str], objects: tuple[dict[str, Any], dict[str, str]], block_bytes: int,
+    save_id: str | None = None,
 ) -> StorageMetadata:
     """The v3 document: the data files (size, header and checksum-entry digests) and each
-    tensor's chunks as a run-length coded table of file indices, offsets and lengths."""
+    tensor's chunks as a run-length coded table of file indices, offsets and lengths.
+
+    With ``save_id``, the data files are named for that save rather than as ``plan`` names them:
+    a cached save commits its reused plan without renaming thousands of rank plans."""
     tensors = _TABLES.get(plan.tensors)
     if tensors is None:
         _TABLES.forget_headers()
-    numbers: dict[int, int] = {}
+    files = _TABLES.files(plan)
     table = []
-    for rank, rp in enumerate(plan.ranks):
-        if rp.file is not None:
-            numbers[rank] = len(table)
-            table.append(  # our own values: no validation (one model per rank)
-                DataFile.model_construct(
-                    name=rp.file, size=rp.size, header_bytes=len(rp.header), header=_TABLES.header_digest(rp.header), sums=sums[rank]
-                )
-            )
+    for rank, size, header_bytes, header in files:
+        name = data_file_name(rank, save_id) if save_id is not None else plan.ranks[rank].file
+        # our own values: no validation (one model per rank)
+        table.append(DataFile.model_construct(name=name, size=size, header_bytes=header_bytes, header=header, sums=sums[rank]))
+    numbers = {rank: i for i, (rank, *_) in enumerate(files)}
     if tensors is None:
         tensors = {}
         for key, tp in plan.tensors.items():
