@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import random
 import socket
 import traceback
 from collections.abc import Callable
@@ -23,8 +24,22 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "shardsafe"])
 
 
+_PORTS = (20000, 32000)  # below the kernel's ephemeral range (32768-60999 here), which client sockets take ports from
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free now, outside the ephemeral range: a port the kernel hands out for port 0 can be
+    taken by any client connection before our server binds it (seen in CI: EADDRINUSE)."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(*_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is crowded: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -36,9 +51,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        )
+        try:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            )
+        except Exception as e:
+            if "EADDRINUSE" in str(e):  # another process took the port after free_port: run_ranks tries another
+                queue.put((rank, False, _PortTaken(port), traceback.format_exc()))
+                return
+            raise
         try:
             result = fn(rank, world_size, *args)
             dist.barrier()  # gloo aborts at exit without it, now and then
@@ -52,8 +73,23 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
             queue.put((rank, False, RuntimeError(repr(e)), traceback.format_exc()))
 
 
+class _PortTaken(Exception):
+    """Rank 0 could not listen on the port free_port gave: another process took it meanwhile."""
+
+
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, backend: str = "gloo") -> list[Any]:
-    """``backend`` is ``init_process_group``'s (e.g. ``"cpu:gloo,cuda:nccl"`` for CUDA tests)."""
+    """``backend`` is ``init_process_group``'s (e.g. ``"cpu:gloo,cuda:nccl"`` for CUDA tests).
+    A port taken by another process before rank 0 listens on it is retried with another (3 tries)."""
+    for attempt in range(3):
+        try:
+            return _run_ranks(world_size, fn, args, timeout, backend)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_ranks(world_size: int, fn: Callable[..., Any], args: tuple, timeout: float, backend: str) -> list[Any]:
     queue = _CTX.Queue()
     port = free_port()
     procs = [_CTX.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=True) for r in range(world_size)]

@@ -518,3 +518,26 @@ def test_a_store_that_cannot_be_cloned_is_polled_until_the_key_is_set_or_the_tim
     t0 = time.monotonic()
     _wait_for_key(store, False, "never", 0.3)
     assert not store.check(["never"]) and 0.3 <= time.monotonic() - t0 < 1.5
+
+
+def _rank_number(rank, ws):
+    return rank
+
+
+def test_run_ranks_tries_another_port_when_one_is_taken(monkeypatch):
+    """The suite's own harness: a port another process takes between free_port and rank 0's
+    listen (EADDRINUSE, seen once in CI) is retried with another instead of failing the test."""
+    import socket
+
+    from . import distributed
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], distributed.free_port()])
+    monkeypatch.setattr(distributed, "free_port", lambda: next(ports))
+    try:
+        assert distributed.run_ranks(2, _rank_number) == [0, 1]
+    finally:
+        taken.close()
+    assert next(ports, None) is None  # both ports were used: the taken one, then another
