@@ -17,6 +17,7 @@ earlier saves' files that were listed before the commit and that the new metadat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import threading
@@ -43,7 +44,7 @@ from .background import AsyncSave, before_save, run_in_background
 from .buffers import WriteBehind
 from .commit import CommitUnknownError, committed_version, put_metadata, sweep
 from .objects import encode_objects, merge_rank_objects
-from .staging import RINGS, RingAborted, Unit, UnitQueue, aligned, live_units, stage, stage_pieces
+from .staging import RINGS, RingAborted, StagingRing, Unit, UnitQueue, aligned, live_units, stage, stage_pieces
 
 __all__ = ["async_save_state", "save_state"]
 
@@ -82,22 +83,13 @@ def _finish_from_device(
 
     for device in devices:  # the helper's side stream cannot wait on this thread's stream: finish its work first
         torch.cuda.current_stream(device).synchronize()
-    items, knobs = p.mine.items, p.knobs
-    total = sum(aligned(it.byte_range[1] - it.byte_range[0]) for it in items)
-    cap = min(total, max(min(knobs.async_staging_bytes, SYNC_DEVICE_RING_BYTES), 2 * knobs.checksum_block_bytes))
-    ring = RINGS.acquire(cap, pinned=True)
+    ring, _ = _bounded_ring(p, min(p.knobs.async_staging_bytes, SYNC_DEVICE_RING_BYTES), pinned=True)
     units = UnitQueue()
     units.start()  # the writer runs beside the copies
 
     def produce() -> None:
-        try:
-            stage(items, p.local, ring, _unit_bytes(knobs, ring.capacity), units.put)
-        except RingAborted:  # the writer failed: its error is the save's
-            return
-        except BaseException as e:  # noqa: BLE001 - raised by the writer, in this save's thread
-            units.close(e)
-            return
-        units.close(None)
+        with contextlib.suppress(BaseException):  # a staging error reaches the writer (this save's thread) through units
+            _stage_into(p, ring, units)
 
     copier = threading.Thread(target=produce, name=f"shardsafe-stage-{p.save_id}", daemon=True)
     copier.start()
@@ -183,25 +175,13 @@ def _async_save_in_parts(
     thread, with ``comm``), then stage only this rank's share through the buffer as the writer
     frees it."""
     p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
-    items = p.mine.items
-    total = sum(aligned(it.byte_range[1] - it.byte_range[0]) for it in items)
-    pinned = any(p.local[it.key].views[it.piece_index].device.type == "cuda" for it in items)
-    # at least two checksum blocks, whatever the budget: a unit is whole blocks (but the last of an item)
-    ring = RINGS.acquire(min(total, max(knobs.async_staging_bytes, 2 * knobs.checksum_block_bytes)), pinned=pinned)
-    block = _unit_bytes(knobs, ring.capacity)
+    pinned = any(p.local[it.key].views[it.piece_index].device.type == "cuda" for it in p.mine.items)
+    ring, total = _bounded_ring(p, knobs.async_staging_bytes, pinned=pinned)
     units = UnitQueue()
     ring.on_wait = units.start  # the buffer is full: the writer must run for the staging to go on
 
     def produce() -> None:
-        try:
-            stage(items, p.local, ring, block, units.put)
-        except RingAborted:  # the writer failed: its error is the save's
-            return
-        except BaseException as e:
-            units.close(e)
-            raise
-        units.close(None)
-        if ring.waited:
+        if _stage_into(p, ring, units) and ring.waited:
             log.info(
                 "%s: rank %d staged %d bytes in parts through a %d-byte buffer (knobs.async_staging_bytes): "
                 "async_save returned once the last part was copied", storage.url, comm.global_rank, total, ring.capacity,
@@ -216,6 +196,28 @@ def _async_save_in_parts(
         return result(out) if result is not None else out
 
     return run_in_background(storage.url, produce, consume, name=f"shardsafe-save-{p.save_id}")
+
+
+def _bounded_ring(p: _Prepared, budget: int, *, pinned: bool) -> tuple[StagingRing, int]:
+    """A ring to stage this rank's items through in at most ``budget`` bytes (but at least two
+    checksum blocks: a unit is whole blocks, but the last of an item), and the items' staged size."""
+    total = sum(aligned(it.byte_range[1] - it.byte_range[0]) for it in p.mine.items)
+    return RINGS.acquire(min(total, max(budget, 2 * p.knobs.checksum_block_bytes)), pinned=pinned), total
+
+
+def _stage_into(p: _Prepared, ring: StagingRing, units: UnitQueue) -> bool:
+    """Stage this rank's items through ``ring`` into ``units``, then close them: with the error
+    when staging failed (raised here too), so the writer raises it. False when the writer
+    aborted the ring: its own error is the save's."""
+    try:
+        stage(p.mine.items, p.local, ring, _unit_bytes(p.knobs, ring.capacity), units.put)
+    except RingAborted:
+        return False
+    except BaseException as e:
+        units.close(e)
+        raise
+    units.close(None)
+    return True
 
 
 class _Prepared(NamedTuple):
@@ -494,51 +496,26 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
     return file_digest(sums)
 
 
-class _TableCache:
-    """The chunk tables of the last plan built, for the next save of the same structure: the
-    plan cache renames a plan's files but keeps its tensors, and the tables (which name files by
-    their index) are the same. A cached save then builds only the file table. Holds the last
-    plan's tensors (the plan cache holds them too while they are its plan)."""
+class _LastPlan:
+    """What the last plan's metadata was built from, for the next save that reuses that plan (a
+    cached save commits the very plan object the plan cache keeps): each writing rank's (rank,
+    size, header bytes, header digest), and the tensors' chunk tables, which name files by their
+    index. A cached save then builds only the file table, without hashing any header again (at
+    1000 tensors a header is about 100 KB, times the number of ranks). Holds the last plan (the
+    plan cache holds it too while it is its plan)."""
 
     def __init__(self) -> None:
-        self._last: tuple[Any, dict[str, TensorStorageMetadata]] | None = None
-        self._headers: dict[int, tuple[bytes, str]] = {}  # id(header) -> (header, its digest), the last plan's
-        self._files: tuple[SavePlan, list[tuple[int, int, int, str]]] | None = None  # the last plan's files (files())
+        self._last: tuple[SavePlan, list[tuple[int, int, int, str]], dict[str, TensorStorageMetadata]] | None = None
 
-    def get(self, tensors: Any) -> dict[str, TensorStorageMetadata] | None:
+    def get(self, plan: SavePlan) -> tuple[list[tuple[int, int, int, str]], dict[str, TensorStorageMetadata]] | None:
         last = self._last
-        return last[1] if last is not None and last[0] is tensors else None
+        return (last[1], last[2]) if last is not None and last[0] is plan else None
 
-    def put(self, tensors: Any, built: dict[str, TensorStorageMetadata]) -> None:
-        self._last = (tensors, built)
-
-    def forget_headers(self) -> None:
-        """A new plan: the digests kept are of headers no later save will write."""
-        self._headers = {}
-
-    def files(self, plan: SavePlan) -> list[tuple[int, int, int, str]]:
-        """(rank, size, header bytes, header digest) of each rank that writes a file, kept with
-        the plan object for the next save that reuses it."""
-        last = self._files
-        if last is not None and last[0] is plan:
-            return last[1]
-        out = [(rank, rp.size, len(rp.header), self.header_digest(rp.header)) for rank, rp in enumerate(plan.ranks) if rp.file is not None]
-        self._files = (plan, out)
-        return out
-
-    def header_digest(self, header: bytes) -> str:
-        """The digest of a data file's header: a renamed plan keeps its headers (the same bytes
-        objects), so a cached save does not hash them again (at 1000 tensors a header is about
-        100 KB, times the number of ranks)."""
-        got = self._headers.get(id(header))
-        if got is not None and got[0] is header:
-            return got[1]
-        digest = file_digest(header)
-        self._headers[id(header)] = (header, digest)
-        return digest
+    def put(self, plan: SavePlan, files: list[tuple[int, int, int, str]], tensors: dict[str, TensorStorageMetadata]) -> None:
+        self._last = (plan, files, tensors)
 
 
-_TABLES = _TableCache()
+_LAST_PLAN = _LastPlan()
 
 
 def _build_metadata(
@@ -550,17 +527,10 @@ def _build_metadata(
 
     With ``save_id``, the data files are named for that save rather than as ``plan`` names them:
     a cached save commits its reused plan without renaming thousands of rank plans."""
-    tensors = _TABLES.get(plan.tensors)
-    if tensors is None:
-        _TABLES.forget_headers()
-    files = _TABLES.files(plan)
-    table = []
-    for rank, size, header_bytes, header in files:
-        name = data_file_name(rank, save_id) if save_id is not None else plan.ranks[rank].file
-        # our own values: no validation (one model per rank)
-        table.append(DataFile.model_construct(name=name, size=size, header_bytes=header_bytes, header=header, sums=sums[rank]))
-    numbers = {rank: i for i, (rank, *_) in enumerate(files)}
-    if tensors is None:
+    got = _LAST_PLAN.get(plan)
+    if got is None:
+        files = [(rank, rp.size, len(rp.header), file_digest(rp.header)) for rank, rp in enumerate(plan.ranks) if rp.file is not None]
+        numbers = {rank: i for i, (rank, *_) in enumerate(files)}
         tensors = {}
         for key, tp in plan.tensors.items():
             rows = []
@@ -568,7 +538,17 @@ def _build_metadata(
                 it = plan.ranks[rank].items[j]
                 rows.append((numbers[rank], it.offsets, it.lengths, it.flat))
             tensors[key] = TensorStorageMetadata.from_table(tp.shape, tp.dtype, tp.is_sharded, ChunkTable.from_chunks(rows, len(tp.shape)))
-        _TABLES.put(plan.tensors, tensors)
+        _LAST_PLAN.put(plan, files, tensors)
+    else:
+        files, tensors = got
+    # our own values: no validation (one model per rank)
+    table = [
+        DataFile.model_construct(
+            name=data_file_name(rank, save_id) if save_id is not None else plan.ranks[rank].file,
+            size=size, header_bytes=header_bytes, header=header, sums=sums[rank],
+        )
+        for rank, size, header_bytes, header in files
+    ]
     tensors = {key: tm.model_copy() for key, tm in tensors.items()}  # each document its own (they point back to it)
     return StorageMetadata(
         checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=block_bytes),
