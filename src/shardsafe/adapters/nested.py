@@ -85,15 +85,18 @@ def _deeper(path: tuple) -> None:
         raise CheckpointError(f"{_shown(path[:4])}...: nested dicts nest deeper than {MAX_DEPTH} levels (or contain themselves)")
 
 
-def _state_of(obj: Any, path: tuple) -> Any:
+def _call(key: str, obj: Any, method: str, *args: Any, what: str = "") -> Any:
+    """``obj.method(*args)``, a user's ``Stateful`` method that may raise anything: named with its key."""
     try:
-        return obj.state_dict()
+        return getattr(obj, method)(*args)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - the user's state_dict() may raise anything; it is named with its key
-        raise CheckpointError(
-            f"key {_key(path)!r}: {type(obj).__qualname__}.state_dict() raised {type(e).__name__}: {e}"
-        ) from e
+    except Exception as e:  # noqa: BLE001 - named with its key, the cause chained
+        raise CheckpointError(f"key {key!r}: {type(obj).__qualname__}.{method}(){what} raised {type(e).__name__}: {e}") from e
+
+
+def _state_of(obj: Any, path: tuple) -> Any:
+    return _call(_key(path), obj, "state_dict")
 
 
 def flatten_state(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -148,14 +151,7 @@ class Targets:
             container, k = self.slots[key]
             container[k] = v
         for key, obj, state in self.statefuls:
-            try:
-                obj.load_state_dict(state[0])
-            except CheckpointError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the user's load_state_dict() may raise anything; it is named with its key
-                raise CheckpointError(
-                    f"key {key!r}: {type(obj).__qualname__}.load_state_dict() of the loaded state raised {type(e).__name__}: {e}"
-                ) from e
+            _call(key, obj, "load_state_dict", state[0], what=" of the loaded state")
 
 
 def load_targets(
