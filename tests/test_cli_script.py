@@ -22,6 +22,7 @@ from shardsafe import Checkpointer
 from shardsafe.cli import JSON_SCHEMAS, main
 
 from .terminal import on_a_pty
+from .test_cli import _data_file, s3  # noqa: F401 - s3: the S3 server with the standard AWS variables set
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}  # the script imports this checkout
@@ -73,9 +74,6 @@ def ckpt(tmp_path) -> Path:
     return d
 
 
-def _data_file(d: Path) -> Path:
-    (f,) = [p for p in d.iterdir() if p.suffix == ".safetensors"]
-    return f
 
 
 def test_the_console_script_is_installed_in_this_environment():
@@ -130,7 +128,6 @@ def test_debug_prints_the_traceback_and_still_exits_2(tmp_path):
 # ------------------------------------------------------------------ on S3
 
 
-from .test_cli import s3  # noqa: E402,F401 - the S3 server with the standard AWS variables set
 
 
 def test_diff_on_s3(s3):  # noqa: F811 - the fixture imported above
