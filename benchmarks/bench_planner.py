@@ -16,11 +16,15 @@ Measured, per layout (wall seconds, cyclic GC paused as the engine does; every s
 coordinator's unless it says "one rank"):
 
 ours
-  ``first_save_s``: ``plan_save`` + building ``StorageMetadata`` (:func:`metadata_from_plan`,
-  what ``engine.writer`` commits, block digests 0) + ``to_json``.
+  ``first_save_s``: the coordinator's part of a first save: ``plan_global`` over every rank's
+  compact description (``describe_rank``), + building ``StorageMetadata`` from what the ranks
+  report after writing (:func:`metadata_from_plan`, what ``engine.writer`` commits, block
+  digests 0) + ``to_json``.
+  ``rank_s`` (one rank, in parallel on every rank of a save): ``describe_rank`` of a rank's
+  tensors + ``plan_rank``, laying out the busiest rank's file from its assignment.
   ``cached_save_s``: a save whose structure matches the previous one (``engine.plan_cache``):
-  the coordinator reuses the plan (its files named for the new save) instead of ``plan_save``,
-  then still builds and serializes the metadata.
+  the coordinator reuses the plan instead of planning, then still builds and serializes the
+  metadata.
   ``load_parse_s`` (one rank): ``StorageMetadata.from_json`` + ``StoredIndex`` for every tensor +
   ``plan_reads`` for that rank's targets, which are always rank ``w/2`` of an FSDP layout of half
   the world ``w`` (a resharding load).
@@ -95,13 +99,13 @@ from functools import partial
 from math import prod
 
 from shardsafe._gc import paused_gc
-from shardsafe.engine.writer import _build_metadata
+from shardsafe.engine.writer import _build_metadata, _file_row
 from shardsafe.format.checksum import file_digest
 from shardsafe.format.metadata import StorageMetadata
 from shardsafe.knobs import KNOBS
 from shardsafe.planning.geometry import Piece, chunk_bounds
 from shardsafe.planning.read_plan import StoredIndex, plan_reads
-from shardsafe.planning.save_plan import SavePlan, TensorDesc, plan_save
+from shardsafe.planning.save_plan import SavePlan, TensorDesc, describe_rank, plan_global, plan_rank, plan_save
 
 Shape = tuple[int, ...]
 SPLIT_BYTES = 16 << 20
@@ -212,9 +216,11 @@ def rank_sums(plan: SavePlan) -> list[str]:
     return [file_digest(bytes(r.sums_range[1] - r.sums_range[0])) if r.file is not None else "" for r in plan.ranks]
 
 
-def metadata_from_plan(plan: SavePlan, sums: list[str] | None = None, save_id: str | None = None) -> StorageMetadata:
-    """What ``engine.writer`` commits (``save_id``: a cached save's, naming the files)."""
-    return _build_metadata(plan, rank_sums(plan) if sums is None else sums, ({}, {}), KNOBS.checksum_block_bytes, save_id)
+def metadata_from_plan(plan: SavePlan, sums: list[str] | None = None, save_id: str = "x") -> StorageMetadata:
+    """What ``engine.writer`` commits, from what each rank reports after writing (``save_id``:
+    the save's, naming the files)."""
+    sums = rank_sums(plan) if sums is None else sums
+    return _build_metadata(plan.plan, [_file_row(r, s) for r, s in zip(plan.ranks, sums)], ({}, {}), KNOBS.checksum_block_bytes, save_id)
 
 
 class HeaderStore:
@@ -311,8 +317,22 @@ def measure_ours(
     """First save, cached save and one rank's load of ``descs``; adds rows to ``table``."""
     tag = f"[{layout} {world}] ours"
     pieces = sum(len(d.pieces) for rank in descs for d in rank)
-    plan, dt_plan = timed(lambda: plan_save(descs, save_id="x", split_bytes=SPLIT_BYTES, block_bytes=KNOBS.checksum_block_bytes), prof)
-    table.add(f"{tag} plan_save", dt_plan, f"{pieces} pieces", f"desc {mib:.0f} MiB; {_plan_stats(plan)}")
+    probe = max(range(world), key=lambda r: len(descs[r]))  # a rank timed for the work each rank does itself
+    compact = [describe_rank(d) for d in descs]  # each rank's own work, in parallel in a save
+    _, dt_describe = timed(partial(describe_rank, descs[probe]), prof)
+    classes = sum(len(c.geometries) for c in compact)
+    gplan, dt_plan = timed(partial(plan_global, compact, split_bytes=SPLIT_BYTES), prof)
+    ranks = [plan_rank(c, a, rank=r, save_id="x", block_bytes=KNOBS.checksum_block_bytes) for r, (c, a) in enumerate(zip(compact, gplan.assignments))]
+    plan = SavePlan(gplan, tuple(ranks))
+    sizes = [len(r.items) for r in ranks]
+    busiest = sizes.index(max(sizes))
+    _, dt_rank = timed(
+        partial(plan_rank, compact[busiest], gplan.assignments[busiest], rank=busiest, save_id="x", block_bytes=KNOBS.checksum_block_bytes), prof
+    )
+    table.add(f"{tag} describe_rank (one rank)", dt_describe, f"{len(descs[probe])} tensors", f"{len(compact[probe].geometries)} classes")
+    table.add(f"{tag} plan_global", dt_plan, f"{pieces} pieces", f"desc {mib:.0f} MiB, {classes} classes; {_plan_stats(plan)}")
+    table.add(f"{tag} plan_rank (rank {busiest}, the busiest)", dt_rank, f"{len(ranks[busiest].items)} chunks", "its file's header")
+    del compact, ranks
     headers = HeaderStore(plan)
     meta, dt_meta = timed(partial(metadata_from_plan, plan), prof)
     chunks = sum(t.chunk_count() for t in meta.tensors.values())
@@ -362,6 +382,7 @@ def measure_ours(
     table.add(f"{tag} plan_reads x{len(targets)} (rank {rank} of {target_world})", dt_read, f"{n_items} read items")
     return {
         "first_save_s": dt_plan + dt_meta + dt_json,
+        "rank_s": dt_describe + dt_rank,
         "cached_save_s": dt_cached,
         "load_parse_s": dt_parse + dt_idx + dt_read,
         "metadata_mb": mb,
@@ -553,7 +574,7 @@ def extrapolate(points: dict[int, dict[str, float]], n_tensors: int, ranks: int,
 
 def plan_line(layout: str, point: str, m: dict[str, float], approx: bool) -> str:
     t = "~" if approx else ""
-    vals = " ".join(f"{k}={t}{_fmt(m[k])}" for k in (*OURS, *DCP) if k in m)
+    vals = " ".join(f"{k}={t}{_fmt(m[k])}" for k in (*OURS, "rank_s", *DCP) if k in m)
     return f"PLAN {layout} {t}{point} {vals}"
 
 

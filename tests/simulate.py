@@ -8,7 +8,7 @@ from typing import Any
 
 from shardsafe.adapters import describe_state
 from shardsafe.engine.staging import StagingRing, aligned, live_units, stage
-from shardsafe.engine.writer import _build_metadata, _unit_bytes, _write_file
+from shardsafe.engine.writer import _build_metadata, _file_row, _unit_bytes, _write_file
 from shardsafe.format.metadata import METADATA_FILENAME, StorageMetadata
 from shardsafe.knobs import KNOBS
 from shardsafe.planning.save_plan import TensorDesc, plan_save
@@ -29,8 +29,11 @@ def simulate_save(
     plan = plan_save(
         descs, save_id="5eed", split_bytes=knobs.replica_split_bytes if split_bytes is None else split_bytes, block_bytes=knobs.checksum_block_bytes
     )
-    sums = [_write_file(storage, plan.ranks[r], _units(plan.ranks[r].items, locals_[r], knobs, staged), knobs) for r in range(len(per_rank))]
-    meta = _build_metadata(plan, sums, ({}, {}), knobs.checksum_block_bytes)
+    files = [
+        _file_row(plan.ranks[r], _write_file(storage, plan.ranks[r], _units(plan.ranks[r].items, locals_[r], knobs, staged), knobs))
+        for r in range(len(per_rank))
+    ]
+    meta = _build_metadata(plan.plan, files, ({}, {}), knobs.checksum_block_bytes, "5eed")
     storage.put_atomic(METADATA_FILENAME, meta.to_json(), overwrite=True)
     return meta.bind(storage)
 

@@ -14,6 +14,7 @@ FIELDS = (
     "cached_save_s",
     "load_parse_s",
     "metadata_mb",
+    "rank_s",
     "dcp_first_save_s",
     "dcp_cached_save_s",
     "dcp_load_s",

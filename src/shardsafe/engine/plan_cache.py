@@ -24,12 +24,10 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
-import xxhash
-
-from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name
+from ..planning.save_plan import GlobalPlan, RankDescription, RankWritePlan, data_file_name
 
 __all__ = [
-    "CacheKey", "Entry", "count", "describe_digest", "lookup", "renamed", "reset", "stats",
+    "CacheKey", "Entry", "count", "lookup", "renamed", "reset", "stats",
     "store_coordinator", "store_rank",
 ]
 
@@ -42,18 +40,13 @@ class Entry:
     rank_plan: RankWritePlan | None = None  # this rank's part of the last plan
     rank_plan_id: str | None = None  # the plan it is part of
     digests: tuple[str, ...] | None = None  # coordinator: every rank's
-    descs: list[list[TensorDesc]] | None = None  # coordinator: every rank's description
-    plan: SavePlan | None = None  # coordinator: the whole plan
+    descs: list[RankDescription] | None = None  # coordinator: every rank's description
+    plan: GlobalPlan | None = None  # coordinator: the whole plan
     plan_id: str | None = None  # coordinator: its id
 
 
 _CACHE: dict[CacheKey, Entry] = {}
 _STATS: Counter[str] = Counter()  # "hit", "miss", "resend"
-
-
-def describe_digest(descs: list[TensorDesc]) -> str:
-    """A digest of one rank's description: equal digests mean equal descriptions."""
-    return f"{xxhash.xxh3_128_hexdigest(repr(descs).encode())}"
 
 
 def lookup(key: CacheKey) -> Entry:
@@ -65,7 +58,7 @@ def store_rank(key: CacheKey, digest: str, rank_plan: RankWritePlan, plan_id: st
     entry.digest, entry.rank_plan, entry.rank_plan_id = digest, rank_plan, plan_id
 
 
-def store_coordinator(key: CacheKey, digests: tuple[str, ...], descs: list[list[TensorDesc]], plan: SavePlan) -> str:
+def store_coordinator(key: CacheKey, digests: tuple[str, ...], descs: list[RankDescription], plan: GlobalPlan) -> str:
     """Keep the whole plan; returns its new id."""
     entry = lookup(key)
     entry.digests, entry.descs, entry.plan, entry.plan_id = digests, descs, plan, uuid.uuid4().hex
@@ -76,7 +69,7 @@ def renamed(rank_plan: RankWritePlan, rank: int, save_id: str) -> RankWritePlan:
     """``rank_plan`` with the data file name of save ``save_id``."""
     if rank_plan.file is None:
         return rank_plan
-    return RankWritePlan(data_file_name(rank, save_id), rank_plan.header, rank_plan.items, rank_plan.sums_range)  # not replace(): thousands per save
+    return RankWritePlan(data_file_name(rank, save_id), rank_plan.header, rank_plan.items, rank_plan.sums_range, rank_plan.header_digest)
 
 
 def count(event: str) -> None:

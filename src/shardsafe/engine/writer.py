@@ -1,10 +1,11 @@
 """Save execution: each rank streams its chunks into its own safetensors file; then commit.
 
 Call order (every rank calls :func:`save_state` together):
-  describe (local) -> gather to coordinator -> plan (coordinator; reused when the structure is
-  the previous save's, see :mod:`.plan_cache`) -> scatter each rank's part
-  -> write + fsync (every rank) -> gather checksums -> commit ``metadata.json`` (coordinator,
-  atomic, last) -> broadcast the result. A failure on any rank at any step makes every rank
+  describe (local, compact: :func:`~shardsafe.planning.save_plan.describe_rank`) -> gather to
+  coordinator -> plan (coordinator; reused when the structure is the previous save's, see
+  :mod:`.plan_cache`) -> scatter each rank's assignment -> lay out its file (every rank)
+  -> write + fsync (every rank) -> gather each file's size and digests -> commit
+  ``metadata.json`` (coordinator, atomic, last) -> broadcast the result. A failure on any rank at any step makes every rank
   raise, and the coordinator removes the files this save wrote; a committed checkpoint at the
   same location stays loadable until the new ``metadata.json`` replaces it.
 
@@ -34,10 +35,19 @@ from ..adapters.nested import flatten_state
 from ..dist import Comm, background_comm
 from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
-from ..format.chunk_table import ChunkTable
 from ..format.metadata import METADATA_FILENAME, ChecksumConfig, DataFile, StorageMetadata, TensorStorageMetadata
 from ..knobs import Knobs
-from ..planning.save_plan import RankWritePlan, SavePlan, TensorDesc, data_file_name, plan_save
+from ..planning.save_plan import (
+    GlobalPlan,
+    RankAssignment,
+    RankDescription,
+    RankWritePlan,
+    TensorDesc,
+    data_file_name,
+    describe_rank,
+    plan_global,
+    plan_rank,
+)
 from ..storage import Storage
 from . import plan_cache
 from .background import AsyncSave, before_save, run_in_background
@@ -230,6 +240,7 @@ class _Prepared(NamedTuple):
     save_id: str
     state: dict[str, Any]  # the coordinator's: listed files, committed version, plan, objects
     knobs: Knobs
+    error: BaseException | None = None  # laying out this rank's file failed: its write raises it, so every rank does
 
 
 def _unit_bytes(knobs: Knobs, capacity: int | None) -> int:
@@ -261,18 +272,17 @@ def _prepare(
             else:
                 tensors, encoded = described()
             local.update((t.key, t) for t in tensors)
-            descs = [TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors]
-            mine_desc.update(descs=descs, digest=plan_cache.describe_digest(descs))
-            mine_desc["objects"] = encoded
+            compact = describe_rank([TensorDesc(t.key, t.dtype_name, t.shape, tuple(t.pieces)) for t in tensors])
+            mine_desc.update(desc=compact, digest=compact.digest, objects=encoded)
         same = not full and cached.digest == mine_desc["digest"]  # the coordinator has it from last time
-        descs = None if same else mine_desc["descs"]
-        return _RankDescription(descs, mine_desc["digest"], cached.rank_plan_id, mine_desc["objects"], storage.url)
+        desc = None if same else mine_desc["desc"]
+        return _RankDescription(desc, mine_desc["digest"], cached.rank_plan_id, mine_desc["objects"], storage.url)
 
     state: dict[str, Any] = {"started": time.monotonic()}
 
-    def plan(gathered: list[_RankDescription]) -> list[tuple[RankWritePlan | None, str, str] | None]:
-        """Each rank's plan part, the save id and the plan's id; ``None`` as the part: reuse
-        the cached one. ``[None] * n`` asks every rank for its full description (the
+    def plan(gathered: list[_RankDescription]) -> list[tuple[RankAssignment | None, str, str] | None]:
+        """Each rank's assignment, the save id and the plan's id; ``None`` as the assignment:
+        reuse the cached file layout. ``[None] * n`` asks every rank for its full description (the
         coordinator lost one it needs)."""
         comm.raise_failures(gathered)
         _check_same_location(gathered, comm)
@@ -280,15 +290,15 @@ def _prepare(
         hit = (
             cached.plan is not None
             and cached.digests == digests
-            and all(g.descs is None and g.plan_id == cached.plan_id for g in gathered)
+            and all(g.desc is None and g.plan_id == cached.plan_id for g in gathered)
         )
-        if not hit and any(g.descs is None for g in gathered):
+        if not hit and any(g.desc is None for g in gathered):
             if cached.descs is None or cached.digests is None or any(
-                g.descs is None and (len(cached.digests) <= r or cached.digests[r] != g.digest) for r, g in enumerate(gathered)
+                g.desc is None and (len(cached.digests) <= r or cached.digests[r] != g.digest) for r, g in enumerate(gathered)
             ):
                 plan_cache.count("resend")
                 return [None] * comm.world_size
-        descs = [g.descs if g.descs is not None else cached.descs[r] for r, g in enumerate(gathered)]  # type: ignore[index]
+        descs = [g.desc if g.desc is not None else cached.descs[r] for r, g in enumerate(gathered)]  # type: ignore[index]
         state["listed"] = storage.list()  # before this save writes anything: see commit.sweep
         state["seen"] = committed_version(storage)
         if not save_overwrite and state["seen"] is not None:
@@ -300,32 +310,39 @@ def _prepare(
         _check_tensor_or_value(descs, gathered)
         if hit:
             plan_cache.count("hit")
-            state["plan"] = cached.plan  # committed under this save's file names (_build_metadata's save_id)
+            state["plan"] = cached.plan
             state["save_id"] = save_id
             return [(None, save_id, cached.plan_id)] * comm.world_size  # type: ignore[list-item]
         plan_cache.count("miss")
         with paused_gc():
-            state["plan"] = plan_save(descs, save_id=save_id, split_bytes=knobs.replica_split_bytes, block_bytes=knobs.checksum_block_bytes)
+            state["plan"] = plan_global(descs, split_bytes=knobs.replica_split_bytes)
         plan_id = plan_cache.store_coordinator(key, digests, descs, state["plan"])
         state["save_id"] = save_id
-        return [(r, save_id, plan_id) for r in state["plan"].ranks]
+        return [(a, save_id, plan_id) for a in state["plan"].assignments]
 
     gathered = comm.gather(lambda: describe(False))
     got = comm.scatter(lambda: plan(gathered))  # type: ignore[arg-type]
     if got is None:  # the coordinator asked for the full descriptions: once
         gathered = comm.gather(lambda: describe(True))
         got = comm.scatter(lambda: plan(gathered))  # type: ignore[arg-type]
-    mine, save_id, plan_id = got
-    if mine is None:  # the coordinator reuses the plan this rank's cached part is from
+    assignment, save_id, plan_id = got
+    error = None
+    if assignment is None:  # the coordinator reuses the plan this rank's cached file layout is from
         mine = plan_cache.renamed(cached.rank_plan, comm.rank, save_id)  # type: ignore[arg-type]
-    plan_cache.store_rank(key, mine_desc["digest"], mine, plan_id)
+    else:
+        try:
+            mine = plan_rank(mine_desc["desc"], assignment, rank=comm.rank, save_id=save_id, block_bytes=knobs.checksum_block_bytes)
+        except CheckpointError as e:  # raised by this rank's write, inside a collective: every rank raises it
+            error, mine = e, RankWritePlan(None, b"", ())
+    if error is None:
+        plan_cache.store_rank(key, mine_desc["digest"], mine, plan_id)
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "save %s: rank %d of %d, plan %s (%s): writes %d chunks of %d tensors, %d bytes, to %s",
-            storage.url, comm.rank, comm.world_size, plan_id, "reused" if got[0] is None else "new part",
+            storage.url, comm.rank, comm.world_size, plan_id, "reused" if assignment is None else "new part",
             len(mine.items), len({it.key for it in mine.items}), mine.size, mine.file or "no file",
         )
-    return _Prepared(storage, save_overwrite, mine, local, save_id, state, knobs)
+    return _Prepared(storage, save_overwrite, mine, local, save_id, state, knobs, error)
 
 
 def _finish(
@@ -340,9 +357,11 @@ def _finish(
     """
     storage, save_overwrite, mine, save_id, state, knobs = p.storage, p.save_overwrite, p.mine, p.save_id, p.state, p.knobs
 
-    def write() -> list[str]:
+    def write() -> tuple[int, int, str, str] | None:
         try:
-            return _write_file(storage, mine, units, knobs, progress)
+            if p.error is not None:
+                raise p.error
+            return _file_row(mine, _write_file(storage, mine, units, knobs, progress))
         finally:
             if after_write is not None:
                 after_write()
@@ -358,7 +377,7 @@ def _finish(
         try:
             comm.raise_failures(written)
             with paused_gc():
-                meta = _build_metadata(state["plan"], written, state["objects"], knobs.checksum_block_bytes, save_id)  # type: ignore[union-attr]
+                meta = _build_metadata(state["plan"], written, state["objects"], knobs.checksum_block_bytes, save_id)  # type: ignore[arg-type]
             raw = meta.to_json()
             put_metadata(storage, raw, seen=state["seen"], save_overwrite=save_overwrite)
         except CommitUnknownError:
@@ -408,7 +427,7 @@ def _log_commit(url: str, meta: StorageMetadata, ranks: int, seconds: float) -> 
 class _RankDescription(NamedTuple):
     """What each rank sends the coordinator at the start of a save."""
 
-    descs: list[TensorDesc] | None  # None: the same as last time (its digest says so)
+    desc: RankDescription | None  # None: the same as last time (its digest says so)
     digest: str
     plan_id: str | None  # the plan this rank's cached part is from
     objects: tuple[dict[str, Any], dict[str, str]]  # encoded non-tensor values
@@ -437,13 +456,16 @@ def _remove_save_files(storage: Storage, save_id: str, world_size: int) -> None:
             log.warning("%s: removing a data file of a failed save failed: %s", storage.url, e)
 
 
-def _check_tensor_or_value(descs: list[list[TensorDesc]], gathered: list[_RankDescription]) -> None:
+def _check_tensor_or_value(descs: list[RankDescription], gathered: list[_RankDescription]) -> None:
     """A key is a tensor on every rank that has it, or a value on every rank: never both."""
     tensor_rank: dict[str, int] = {}
     value_rank: dict[str, int] = {}
-    for rank, (rank_descs, g) in enumerate(zip(descs, gathered)):
-        for d in rank_descs:
-            tensor_rank.setdefault(d.key, rank)
+    seen: set[str] = set()
+    for rank, (desc, g) in enumerate(zip(descs, gathered)):
+        if desc.structure not in seen:  # ranks with the same structure hold the same keys
+            seen.add(desc.structure)
+            for key, _dtype, _shape in desc.tensors:
+                tensor_rank.setdefault(key, rank)
         for key in [*g.objects[0], *g.objects[1]]:
             value_rank.setdefault(key, rank)
     for key in sorted(tensor_rank.keys() & value_rank.keys()):
@@ -496,60 +518,34 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
     return file_digest(sums)
 
 
-class _LastPlan:
-    """What the last plan's metadata was built from, for the next save that reuses that plan (a
-    cached save commits the very plan object the plan cache keeps): each writing rank's (rank,
-    size, header bytes, header digest), and the tensors' chunk tables, which name files by their
-    index. A cached save then builds only the file table, without hashing any header again (at
-    1000 tensors a header is about 100 KB, times the number of ranks). Holds the last plan (the
-    plan cache holds it too while it is its plan)."""
-
-    def __init__(self) -> None:
-        self._last: tuple[SavePlan, list[tuple[int, int, int, str]], dict[str, TensorStorageMetadata]] | None = None
-
-    def get(self, plan: SavePlan) -> tuple[list[tuple[int, int, int, str]], dict[str, TensorStorageMetadata]] | None:
-        last = self._last
-        return (last[1], last[2]) if last is not None and last[0] is plan else None
-
-    def put(self, plan: SavePlan, files: list[tuple[int, int, int, str]], tensors: dict[str, TensorStorageMetadata]) -> None:
-        self._last = (plan, files, tensors)
-
-
-_LAST_PLAN = _LastPlan()
+def _file_row(plan: RankWritePlan, sums: str) -> tuple[int, int, str, str] | None:
+    """What a rank reports after writing its file: size, header length, header digest and the
+    digest of its checksum entry (None when it writes no file)."""
+    return (plan.size, len(plan.header), plan.header_digest, sums) if plan.file is not None else None
 
 
 def _build_metadata(
-    plan: SavePlan, sums: list[str], objects: tuple[dict[str, Any], dict[str, str]], block_bytes: int,
-    save_id: str | None = None,
+    plan: GlobalPlan, files: list[tuple[int, int, str, str] | None], objects: tuple[dict[str, Any], dict[str, str]],
+    block_bytes: int, save_id: str,
 ) -> StorageMetadata:
-    """The v3 document: the data files (size, header and checksum-entry digests) and each
-    tensor's chunks as a run-length coded table of file indices, offsets and lengths.
-
-    With ``save_id``, the data files are named for that save rather than as ``plan`` names them:
-    a cached save commits its reused plan without renaming thousands of rank plans."""
-    got = _LAST_PLAN.get(plan)
-    if got is None:
-        files = [(rank, rp.size, len(rp.header), file_digest(rp.header)) for rank, rp in enumerate(plan.ranks) if rp.file is not None]
-        numbers = {rank: i for i, (rank, *_) in enumerate(files)}
-        tensors = {}
-        for key, tp in plan.tensors.items():
-            rows = []
-            for rank, j in tp.chunks:
-                it = plan.ranks[rank].items[j]
-                rows.append((numbers[rank], it.offsets, it.lengths, it.flat))
-            tensors[key] = TensorStorageMetadata.from_table(tp.shape, tp.dtype, tp.is_sharded, ChunkTable.from_chunks(rows, len(tp.shape)))
-        _LAST_PLAN.put(plan, files, tensors)
-    else:
-        files, tensors = got
+    """The v3 document: the data files (as each rank reported its own, see :func:`_file_row`)
+    and each tensor's chunks as the plan's run-length coded table of file indices, offsets and
+    lengths."""
+    wrote = [r for r, f in enumerate(files) if f is not None]
+    if wrote != list(plan.file_ranks):
+        raise CheckpointError(
+            f"the plan has ranks {list(plan.file_ranks)} write a data file, but ranks {wrote} wrote one; nothing is committed"
+        )
     # our own values: no validation (one model per rank)
     table = [
-        DataFile.model_construct(
-            name=data_file_name(rank, save_id) if save_id is not None else plan.ranks[rank].file,
-            size=size, header_bytes=header_bytes, header=header, sums=sums[rank],
-        )
-        for rank, size, header_bytes, header in files
+        DataFile.model_construct(name=data_file_name(rank, save_id), size=f[0], header_bytes=f[1], header=f[2], sums=f[3])
+        for rank in plan.file_ranks
+        if (f := files[rank]) is not None
     ]
-    tensors = {key: tm.model_copy() for key, tm in tensors.items()}  # each document its own (they point back to it)
+    tensors = {
+        key: TensorStorageMetadata.from_table(tp.shape, tp.dtype, tp.is_sharded, tp.table, table_json=tp.table_json)
+        for key, tp in plan.tensors.items()
+    }
     return StorageMetadata(
         checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=block_bytes),
         file_table=table,

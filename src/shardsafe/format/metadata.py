@@ -215,9 +215,14 @@ class TensorStorageMetadata(BaseModel):
     __hash__ = None  # type: ignore[assignment]  # equal by value, and holds dicts
 
     @classmethod
-    def from_table(cls, shape: tuple[int, ...], dtype: str, is_sharded: bool, table: ChunkTable) -> TensorStorageMetadata:
-        """A format v3 tensor whose chunks are ``table`` (values a writer made: not validated)."""
-        tm = cls.model_construct(shape=tuple(shape), dtype=dtype, is_sharded=is_sharded, table=table.to_json())
+    def from_table(
+        cls, shape: tuple[int, ...], dtype: str, is_sharded: bool, table: ChunkTable, *, table_json: dict | None = None
+    ) -> TensorStorageMetadata:
+        """A format v3 tensor whose chunks are ``table`` (values a writer made: not validated);
+        ``table_json``: ``table.to_json()`` if the caller has it (never changed: it may be shared)."""
+        tm = cls.model_construct(
+            shape=tuple(shape), dtype=dtype, is_sharded=is_sharded, table=table.to_json() if table_json is None else table_json
+        )
         tm._table = table
         return tm
 

@@ -1,29 +1,48 @@
 """The save plan: from every rank's description to who writes which chunk where.
 
-Pure function of the gathered descriptions, run once on the coordinator:
+Planning is split between the coordinator and each rank, so that no process does work that
+grows with ranks x tensors:
 
-1. check that every rank agrees on each key's dtype and global shape;
-2. deduplicate: pieces with identical geometry are replicas and are written once;
-3. check that the distinct pieces tile each tensor (no gap, no overlap);
-4. assign writers: a piece held by one rank is written by it; replicated pieces go to the
-   least-loaded holder, largest first, and large replicated boxes are first split along dim 0
-   so that several replicas share the write;
-5. lay out each rank's safetensors file, so the metadata's byte ranges are known up front.
+- each rank describes its tensors compactly (:func:`describe_rank`): tensors of equal geometry
+  (global shape and this rank's pieces) share one *class*, and a model's many layers have few
+  shapes, so a rank sends its keys once and its pieces once per class;
+- the coordinator (:func:`plan_global`) groups the ranks whose keys and classes are the same,
+  works on *joint classes* (the tensors that have the same geometry on every rank), and, once
+  per joint class: checks that every rank agrees on each key's dtype and global shape;
+  deduplicates (pieces with identical geometry are replicas, written once); checks that the
+  distinct pieces tile the tensor (no gap, no overlap); gives each piece held by one rank to that
+  rank. Replicated pieces go to the least-loaded holder, largest first, tensor by tensor, and
+  large replicated boxes are first split along dim 0 so that several replicas share the write.
+  The chunk tables of ``metadata.json`` follow (one per joint class when no replica is split
+  up), and each rank gets a short assignment;
+- each rank lays out its own safetensors file from its assignment (:func:`plan_rank`), and
+  reports the file's size and header digest with its checksums after writing.
+
+At 4096 ranks x 1000 tensors of an FSDP model, the coordinator handles about ten classes per rank
+instead of four million pieces (``benchmarks/bench_planner.py``).
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from math import prod
 from typing import NamedTuple
 
+import xxhash
+
 from ..errors import DtypeMismatchError, ShapeMismatchError, ShardingError
+from ..format.checksum import file_digest
+from ..format.chunk_table import ChunkTable
 from ..format.dtypes import SAFETENSORS_CODE, torch_dtype
 from ..format.file_index import SUMS_ENTRY, entry_name
 from ..format.safetensors_file import FileEntry, layout_file
 from .geometry import Piece, Shape, check_tiling, chunk_bounds
 
-__all__ = ["RankWritePlan", "SavePlan", "TensorDesc", "WriteItem", "data_file_name", "plan_save"]
+__all__ = [
+    "GlobalPlan", "RankAssignment", "RankDescription", "RankWritePlan", "SavePlan", "TensorDesc", "TensorPlan",
+    "WriteItem", "data_file_name", "describe_rank", "file_layout", "plan_global", "plan_rank", "plan_save",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +53,63 @@ class TensorDesc:
     dtype: str
     shape: Shape
     pieces: tuple[Piece, ...]
+
+
+class RankDescription(NamedTuple):
+    """What one rank sends the coordinator at the start of a save (first save of a structure)."""
+
+    tensors: tuple[tuple[str, str, Shape], ...]  # (key, dtype, global shape), in the rank's order
+    classes: tuple[int, ...]  # per tensor: the index of its geometry in ``geometries``
+    geometries: tuple[tuple[Piece, ...], ...]  # this rank's pieces of a tensor of each class
+    structure: str  # digest of ``tensors`` and ``classes``: ranks with equal ones are planned as a group
+    digest: str  # digest of all of it: equal digests, equal descriptions (the plan cache's test)
+
+
+def describe_rank(descs: list[TensorDesc]) -> RankDescription:
+    """One rank's compact description: each distinct (global shape, pieces) once."""
+    index: dict[tuple[Shape, tuple[Piece, ...]], int] = {}
+    classes = []
+    for d in descs:
+        classes.append(index.setdefault((d.shape, d.pieces), len(index)))
+    tensors = tuple((d.key, d.dtype, d.shape) for d in descs)
+    geometries = tuple(pieces for _shape, pieces in index)
+    structure = xxhash.xxh3_128_hexdigest(repr((tensors, classes)).encode())
+    digest = xxhash.xxh3_128_hexdigest(f"{structure}{geometries!r}".encode())
+    return RankDescription(tensors, tuple(classes), geometries, structure, digest)
+
+
+class RankAssignment(NamedTuple):
+    """The coordinator's word to one rank: what it writes.
+
+    ``whole``: (joint class, piece index): the rank writes that piece of each of its tensors of
+    the joint class. ``joint``: the joint class of each of the rank's classes (``by_class``) or,
+    when a class of the rank's spans several joint classes, of each of its tensors. ``parts``:
+    (key, piece index, offsets, lengths, flattened range) of replicated pieces (or parts of
+    them) given to this rank, in the order assigned."""
+
+    whole: tuple[tuple[int, int], ...]
+    joint: tuple[int, ...]
+    by_class: bool
+    parts: tuple[tuple[str, int, Shape, Shape, tuple[int, int] | None], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlan:
+    dtype: str
+    shape: Shape
+    is_sharded: bool
+    table: ChunkTable  # file indices into GlobalPlan.file_ranks
+    table_json: dict  # ``table.to_json()``, shared by the tensors of a joint class
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalPlan:
+    """The coordinator's plan: every tensor's chunks, which ranks write a file (``file_table[i]``
+    of the metadata is rank ``file_ranks[i]``'s file) and each rank's assignment."""
+
+    tensors: dict[str, TensorPlan]
+    file_ranks: tuple[int, ...]
+    assignments: tuple[RankAssignment, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +131,7 @@ class RankWritePlan:
     header: bytes
     items: tuple[WriteItem, ...]
     sums_range: tuple[int, int] = (0, 0)  # the checksum entry, last in the file (format v3)
+    header_digest: str = ""
 
     @property
     def size(self) -> int:
@@ -63,17 +140,12 @@ class RankWritePlan:
 
 
 @dataclass(frozen=True, slots=True)
-class TensorPlan:
-    dtype: str
-    shape: Shape
-    is_sharded: bool
-    chunks: tuple[tuple[int, int], ...]  # (rank, index into that rank's items)
-
-
-@dataclass(frozen=True, slots=True)
 class SavePlan:
+    """A whole save planned in one process (tests and benchmarks): the coordinator's plan and
+    every rank's file."""
+
+    plan: GlobalPlan
     ranks: tuple[RankWritePlan, ...]
-    tensors: dict[str, TensorPlan]
 
 
 DIGEST_BYTES = 8  # XXH3-64, the only algorithm a v3 file's checksum entry holds
@@ -101,87 +173,192 @@ def _entry_name(key: str, shape: Shape, offsets: Shape, lengths: Shape, flat: tu
     return name
 
 
-def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int, block_bytes: int) -> SavePlan:
-    """Plan a save from ``descs[rank]``, each rank's descriptions; each file ends with the
-    checksums of its entries' blocks of ``block_bytes`` (format v3, ``docs/format.md`` §4).
+class _Joint:
+    """A joint class: tensors with the same global shape, held by the same ranks with the same
+    pieces. ``members``: (group, class in that group's ranks)."""
+
+    __slots__ = ("keys", "members", "shape")
+
+    def __init__(self, shape: Shape, members: tuple[tuple[int, int], ...]) -> None:
+        self.shape = shape
+        self.members = members
+        self.keys: list[str] = []
+
+
+def plan_global(descs: list[RankDescription], *, split_bytes: int) -> GlobalPlan:
+    """Plan a save from ``descs[rank]``, each rank's compact description.
 
     Raises ``DtypeMismatchError`` / ``ShapeMismatchError`` when ranks disagree on a key, and
     ``ShardingError`` when a tensor's pieces leave a gap or overlap.
     """
     world = len(descs)
-    facts: dict[str, tuple[str, Shape, int]] = {}
-    # key -> geometry -> [(rank, piece_index)]
-    holders: dict[str, dict[Piece, list[tuple[int, int]]]] = {}
-    for rank, tensors in enumerate(descs):
-        for t in tensors:
-            known = facts.get(t.key)
+    by_structure: dict[str, list[int]] = {}
+    for rank, d in enumerate(descs):
+        by_structure.setdefault(d.structure, []).append(rank)
+    groups = list(by_structure.values())
+
+    facts: dict[str, tuple[str, Shape, int]] = {}  # key -> dtype, shape, first rank holding it
+    signature: dict[str, list[tuple[int, int]]] = {}
+    for g, ranks in enumerate(groups):
+        rep = descs[ranks[0]]
+        for (key, dtype, shape), c in zip(rep.tensors, rep.classes):
+            known = facts.get(key)
             if known is None:
-                facts[t.key] = (t.dtype, t.shape, rank)
-            elif known[0] != t.dtype:
-                raise DtypeMismatchError(f"key {t.key!r}: rank {known[2]} holds dtype {known[0]}, rank {rank} holds {t.dtype}")
-            elif known[1] != t.shape:
+                facts[key] = (dtype, shape, ranks[0])
+                signature[key] = [(g, c)]
+                continue
+            if known[0] != dtype:
+                raise DtypeMismatchError(f"key {key!r}: rank {known[2]} holds dtype {known[0]}, rank {ranks[0]} holds {dtype}")
+            if known[1] != shape:
                 raise ShapeMismatchError(
-                    f"key {t.key!r}: rank {known[2]} has global shape {list(known[1])}, rank {rank} has {list(t.shape)}"
+                    f"key {key!r}: rank {known[2]} has global shape {list(known[1])}, rank {ranks[0]} has {list(shape)}"
                 )
-            by_geom = holders.setdefault(t.key, {})
-            for i, p in enumerate(t.pieces):
-                by_geom.setdefault(p, []).append((rank, i))
+            signature[key].append((g, c))
+
+    joints: list[_Joint] = []
+    joint_of: dict[tuple[tuple[int, int], ...], int] = {}
+    key_joint: dict[str, int] = {}
+    for key, sig in signature.items():
+        members = tuple(sig)
+        j = joint_of.get(members)
+        if j is None:
+            j = joint_of[members] = len(joints)
+            joints.append(_Joint(facts[key][1], members))
+        joints[j].keys.append(key)
+        key_joint[key] = j
+    key_pos = {key: i for i, key in enumerate(facts)}
 
     load = [0] * world
-    assigned: list[list[tuple[str, int, Shape, Shape, tuple[int, int] | None]]] = [[] for _ in range(world)]
-    replicated: list[tuple[int, str, Piece, list[tuple[int, int]]]] = []
-    sharded: dict[str, bool] = {}
-    for key, by_geom in holders.items():
-        dtype, shape, _ = facts[key]
-        check_tiling(key, shape, list(by_geom))
-        item = torch_dtype(dtype).itemsize
-        nonempty = [(g, h, n) for g, h in by_geom.items() if (n := _numel(g))]
-        sharded[key] = not (len(nonempty) == 1 and nonempty[0][0][1] == shape and nonempty[0][0][2] is None)
-        for geom, owners, numel in nonempty:
-            nbytes = numel * item
+    whole: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    base_rows: list[list[tuple[int, int, Shape, Shape, tuple[int, int] | None]]] = []  # per joint class: (rank, idx, box)
+    sharded: list[bool] = []
+    replicated: list[tuple[int, int, int, str, Piece, list[tuple[int, int]]]] = []
+    for j, jc in enumerate(joints):
+        holders: dict[Piece, list[tuple[int, int]]] = {}
+        for g, c in jc.members:
+            for rank in groups[g]:
+                for idx, piece in enumerate(descs[rank].geometries[c]):
+                    holders.setdefault(piece, []).append((rank, idx))
+        check_tiling(jc.keys[0], jc.shape, list(holders))
+        nonempty = [(geom, owners, n) for geom, owners in holders.items() if (n := _numel(geom))]
+        sharded.append(not (len(nonempty) == 1 and nonempty[0][0][1] == jc.shape and nonempty[0][0][2] is None))
+        itemsizes = [torch_dtype(facts[key][0]).itemsize for key in jc.keys]
+        all_items = sum(itemsizes)
+        rows = []
+        for gpos, (geom, owners, numel) in enumerate(nonempty):
             if len(owners) == 1:
                 rank, idx = owners[0]
-                assigned[rank].append((key, idx, geom[0], geom[1], geom[2]))
-                load[rank] += nbytes
+                whole[rank].append((j, idx))
+                load[rank] += numel * all_items
+                rows.append((rank, idx, geom[0], geom[1], geom[2]))
             else:
-                replicated.append((nbytes, key, geom, owners))
+                for key, item in zip(jc.keys, itemsizes):
+                    replicated.append((-numel * item, key_pos[key], gpos, key, geom, owners))
+        rows.sort(key=lambda r: (r[0], r[1]))
+        base_rows.append(rows)
 
-    replicated.sort(key=lambda r: -r[0])
-    for nbytes, key, (off, lens, flat), owners in replicated:
-        parts = 1
+    replicated.sort(key=lambda r: r[:3])
+    heaps: dict[int, list[tuple[int, int, int]]] = {}  # lazy: entries whose load is stale are refreshed when on top
+    parts: list[list[tuple[str, int, Shape, Shape, tuple[int, int] | None]]] = [[] for _ in range(world)]
+    part_rows: dict[str, list[tuple[int, int, Shape, Shape, tuple[int, int] | None]]] = {}
+    for neg, _pos, _g, key, (off, lens, flat), owners in replicated:
+        nbytes = -neg
+        heap = heaps.get(id(owners))
+        if heap is None:
+            heap = heaps[id(owners)] = [(load[r], r, i) for r, i in owners]
+            heapq.heapify(heap)
+        n = 1
         if flat is None and lens and nbytes > split_bytes:
-            parts = min(len(owners), lens[0], -(-nbytes // split_bytes))
-        for p in range(parts):
-            start, size = chunk_bounds(lens[0], parts, p) if parts > 1 else (0, lens[0] if lens else 0)
-            sub_off = (off[0] + start, *off[1:]) if parts > 1 else off
-            sub_len = (size, *lens[1:]) if parts > 1 else lens
-            rank, idx = min(owners, key=lambda o: (load[o[0]], o[0]))
-            assigned[rank].append((key, idx, sub_off, sub_len, flat))
-            load[rank] += nbytes * size // lens[0] if parts > 1 else nbytes
+            n = min(len(owners), lens[0], -(-nbytes // split_bytes))
+        for p in range(n):
+            start, size = chunk_bounds(lens[0], n, p) if n > 1 else (0, lens[0] if lens else 0)
+            sub_off = (off[0] + start, *off[1:]) if n > 1 else off
+            sub_len = (size, *lens[1:]) if n > 1 else lens
+            while heap[0][0] != load[heap[0][1]]:  # loads only grow: refresh the stale top
+                _, r, i = heap[0]
+                heapq.heapreplace(heap, (load[r], r, i))
+            _, rank, idx = heap[0]
+            load[rank] += nbytes * size // lens[0] if n > 1 else nbytes
+            heapq.heapreplace(heap, (load[rank], rank, idx))
+            parts[rank].append((key, idx, sub_off, sub_len, flat))
+            part_rows.setdefault(key, []).append((rank, len(parts[rank]), sub_off, sub_len, flat))
 
-    chunks: dict[str, list[tuple[int, int]]] = {key: [] for key in holders}
-    file_facts = {}
+    file_ranks = tuple(r for r in range(world) if whole[r] or parts[r])
+    number = {r: i for i, r in enumerate(file_ranks)}
+    tensors: dict[str, TensorPlan] = {}
+    shared: dict[int, tuple[ChunkTable, dict]] = {}
     for key, (dtype, shape, _) in facts.items():
-        td = torch_dtype(dtype)
-        file_facts[key] = (shape, SAFETENSORS_CODE[td], td.itemsize)
-    ranks = []
-    for rank, items in enumerate(assigned):
-        if not items:
-            ranks.append(RankWritePlan(None, b"", ()))
-            continue
-        layout = file_layout([(key, off, lens, flat) for key, _idx, off, lens, flat in items], file_facts, block_bytes, who=f"rank {rank}")
-        plan_items = []
-        for j, ((key, idx, off, lens, flat), name, br) in enumerate(zip(items, layout.names, layout.byte_ranges)):
-            plan_items.append(WriteItem(key, idx, off, lens, flat, name, br))
-            chunks[key].append((rank, j))
-        ranks.append(RankWritePlan(data_file_name(rank, save_id), layout.header, tuple(plan_items), layout.sums_range))
+        j = key_joint[key]
+        extra = part_rows.get(key)
+        if extra is None:
+            got = shared.get(j)
+            if got is None:
+                table = ChunkTable.from_chunks([(number[r], off, lens, flat) for r, _i, off, lens, flat in base_rows[j]], len(shape))
+                got = shared[j] = (table, table.to_json())
+            table, doc = got
+        else:  # rows in file order, and in each file in entry order: whole pieces first, then parts
+            rows = sorted([(r, -1, o, ln, f) for r, _i, o, ln, f in base_rows[j]] + extra, key=lambda x: (x[0], x[1]))
+            table = ChunkTable.from_chunks([(number[r], off, lens, flat) for r, _s, off, lens, flat in rows], len(shape))
+            doc = table.to_json()
+        tensors[key] = TensorPlan(dtype, shape, sharded[j], table, doc)
 
-    tensors = {
-        key: TensorPlan(facts[key][0], facts[key][1], sharded[key], tuple(chunks[key])) for key in holders
-    }
-    return SavePlan(tuple(ranks), tensors)
+    assignments = []
+    for ranks in groups:
+        rep = descs[ranks[0]]
+        by_class: list[int] = [-1] * len(rep.geometries)
+        per_tensor = [key_joint[key] for key, _dtype, _shape in rep.tensors]
+        one = True
+        for c, j in zip(rep.classes, per_tensor):
+            if by_class[c] == -1:
+                by_class[c] = j
+            elif by_class[c] != j:
+                one = False
+        joint = tuple(by_class) if one else tuple(per_tensor)
+        for rank in ranks:
+            assignments.append((rank, RankAssignment(tuple(whole[rank]), joint, one, tuple(parts[rank]))))
+    assignments.sort(key=lambda a: a[0])
+    return GlobalPlan(tensors, file_ranks, tuple(a for _, a in assignments))
 
 
+def plan_rank(desc: RankDescription, assignment: RankAssignment, *, rank: int, save_id: str, block_bytes: int) -> RankWritePlan:
+    """This rank's file: the chunks ``assignment`` gives it, laid out as a v3 data file."""
+    if not assignment.whole and not assignment.parts:
+        return RankWritePlan(None, b"", ())
+    mine: dict[int, list[int]] = {}
+    for j, idx in assignment.whole:
+        mine.setdefault(j, []).append(idx)
+    chunks: list[tuple[str, int, Shape, Shape, tuple[int, int] | None]] = []
+    index = {}
+    for i, ((key, _dtype, _shape), c) in enumerate(zip(desc.tensors, desc.classes)):
+        index[key] = i
+        for idx in mine.get(assignment.joint[c] if assignment.by_class else assignment.joint[i], ()):
+            off, lens, flat = desc.geometries[c][idx]
+            chunks.append((key, idx, off, lens, flat))
+    chunks.extend(assignment.parts)
+    facts = {}
+    for key, *_ in chunks:
+        if key not in facts:
+            _key, dtype, shape = desc.tensors[index[key]]
+            td = torch_dtype(dtype)
+            facts[key] = (shape, SAFETENSORS_CODE[td], td.itemsize)
+    layout = file_layout([(key, off, lens, flat) for key, _idx, off, lens, flat in chunks], facts, block_bytes, who=f"rank {rank}")
+    items = tuple(
+        WriteItem(key, idx, off, lens, flat, name, br)
+        for (key, idx, off, lens, flat), name, br in zip(chunks, layout.names, layout.byte_ranges)
+    )
+    return RankWritePlan(data_file_name(rank, save_id), layout.header, items, layout.sums_range, file_digest(layout.header))
+
+
+def plan_save(descs: list[list[TensorDesc]], *, save_id: str, split_bytes: int, block_bytes: int) -> SavePlan:
+    """Plan a whole save in one process: :func:`plan_global` over every rank's
+    :func:`describe_rank`, then every rank's :func:`plan_rank` (what the ranks of a real save
+    do, each its own part)."""
+    compact = [describe_rank(d) for d in descs]
+    plan = plan_global(compact, split_bytes=split_bytes)
+    ranks = tuple(
+        plan_rank(d, a, rank=r, save_id=save_id, block_bytes=block_bytes) for r, (d, a) in enumerate(zip(compact, plan.assignments))
+    )
+    return SavePlan(plan, ranks)
 class V3Layout(NamedTuple):
     """One v3 data file's layout: its header, each chunk's entry name and absolute byte range
     (in the order given), and the checksum entry's byte range, last in the file."""
