@@ -1,10 +1,13 @@
 """``shardsafe.dcp.StorageWriter``: ``torch.distributed.checkpoint.save`` writes a shardsafe checkpoint.
 
 DCP's planner decides what each rank writes (its own shards; a replicated value once, by one
-rank); this writer decides how: each rank streams its tensor chunks into its own safetensors
-file with per-block XXH3 digests (format v2, ``docs/format.md``), non-tensor values go into
-``metadata.json`` as JSON, and the coordinator commits ``metadata.json`` last, by the same
-compare-and-swap as :mod:`shardsafe.engine.writer`.
+rank); this writer decides how, in the format every shardsafe save writes (v3,
+``docs/format.md``): each rank streams its tensor chunks into its own safetensors file, laid out
+by :func:`shardsafe.planning.save_plan.file_layout` (entry names of §4.4) and ending with the
+``__shardsafe_checksums__`` entry (the XXH3-64 of every block, §4.2, §6); non-tensor values go
+into ``metadata.json`` as JSON; the coordinator builds the file table and each tensor's chunk
+table and commits ``metadata.json`` last, by the same compare-and-swap as
+:mod:`shardsafe.engine.writer`.
 
 Call order (DCP's; one instance plays the coordinator on rank 0 and a follower elsewhere):
 
@@ -14,7 +17,8 @@ Call order (DCP's; one instance plays the coordinator on rank 0 and a follower e
 4. ``prepare_global_plan`` (coordinator): lists the location and reads the version of its
    ``metadata.json``; refuses a committed checkpoint unless ``overwrite``; draws the save id.
 5. ``write_data`` (all ranks): writes this rank's data file (none if it holds no chunk) and
-   returns each chunk's byte range and digests, and each value encoded.
+   returns each chunk's box and its file's row of the file table (name, size, header length,
+   header and checksum-entry digests), and each value encoded.
 6. ``finish`` (coordinator): builds ``metadata.json``, checks that the chunks tile every tensor,
    commits it only over the version read in step 4, then removes earlier saves' files.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import uuid
 from dataclasses import dataclass, replace
 from math import prod
@@ -44,14 +49,14 @@ from ..engine.buffers import WriteBehind, byte_view
 from ..engine.commit import CommitUnknownError, committed_version, put_metadata, sweep
 from ..engine.objects import encode_tagged, merge_rank_objects
 from ..errors import CheckpointError, CheckpointExistsError, DtypeMismatchError, ShapeMismatchError, StorageError
-from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, encode_digests, file_digest
+from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
+from ..format.chunk_table import ChunkTable
 from ..format.dtypes import SAFETENSORS_CODE, dtype_name
-from ..format.metadata import ChecksumConfig, DataFileInfo, StorageMetadata, TensorShardSpec
+from ..format.metadata import ChecksumConfig, DataFile, StorageMetadata
 from ..format.metadata import TensorStorageMetadata as OurTensorMetadata
-from ..format.safetensors_file import FileEntry, layout_file
 from ..knobs import KNOBS, Knobs
 from ..planning.geometry import check_tiling
-from ..planning.save_plan import _entry_name, data_file_name
+from ..planning.save_plan import data_file_name, file_layout
 from ..storage import Location
 from ..storage.base import DCP_METADATA
 from ._location import Located
@@ -71,20 +76,31 @@ class _RankPlan:
 
     rank: int
     save_id: str
+    block_bytes: int  # the checksum block size every rank's file uses: the coordinator's knob
+
+
+@dataclass(frozen=True)
+class _StoredFile:
+    """A rank's data file, as the coordinator's file table needs it (format v3, §3.3), and the
+    checksum block size it was written with."""
+
+    name: str
+    size: int
+    header_bytes: int
+    header: str
+    sums: str
+    block_bytes: int
 
 
 @dataclass(frozen=True)
 class _StoredChunk:
-    """Where a rank wrote one tensor chunk (``WriteResult.storage_data``)."""
+    """Where a rank wrote one tensor chunk (``WriteResult.storage_data``): its file (one object
+    shared by the rank's chunks, so it travels once) and its box. Its entry name, byte range and
+    block digests are in the file's header and checksum entry."""
 
-    file: str
-    file_size: int
-    header_digest: str
-    name: str
+    file: _StoredFile
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
-    byte_range: tuple[int, int]
-    checksums: str
 
 
 @dataclass(frozen=True)
@@ -168,7 +184,8 @@ class StorageWriter(Located, _DcpStorageWriter):
             )
         save_id = uuid.uuid4().hex[:12]
         self._save_id = save_id
-        return [replace(p, storage_data=_RankPlan(rank, save_id)) for rank, p in enumerate(plans)]
+        block_bytes = self.knobs.checksum_block_bytes
+        return [replace(p, storage_data=_RankPlan(rank, save_id, block_bytes)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rp = plan.storage_data
@@ -186,14 +203,14 @@ class StorageWriter(Located, _DcpStorageWriter):
             else:  # no elements: nothing is stored (format: pieces with no elements are not stored)
                 results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
         if tensors:
-            results += self._write_file(data_file_name(rp.rank, save_id), tensors, planner)
+            results += self._write_file(rp, data_file_name(rp.rank, save_id), tensors, planner)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = self._open()
-        written = sorted({sd.file for rs in results for r in rs if isinstance(sd := r.storage_data, _StoredChunk)})
+        written = sorted({sd.file.name for rs in results for r in rs if isinstance(sd := r.storage_data, _StoredChunk)})
         try:
             meta = self._metadata(metadata, results)
             raw = meta.to_json()
@@ -240,52 +257,58 @@ class StorageWriter(Located, _DcpStorageWriter):
         size = len(pickled[key]) if key in pickled else len(json.dumps(as_json[key]))
         return WriteResult(index=item.index, size_in_bytes=size, storage_data=_StoredValue(as_json, pickled))
 
-    def _write_file(self, file: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        """Lay out and write this rank's data file; each chunk's block digests on the way."""
-        used: set[str] = set()
-        entries = []
+    def _write_file(self, rp: _RankPlan, file: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """Lay out and write this rank's data file (format v3): the header, each chunk's bytes
+        (each block digested on the way), then the checksum entry holding those digests."""
+        cblock = rp.block_bytes
+        facts = {}
         for item in items:
             td = item.tensor_data
-            lengths = tuple(td.chunk.sizes)
-            name = _entry_name(item.index.fqn, tuple(td.size), tuple(td.chunk.offsets), lengths, None, used)
-            dtype = td.properties.dtype
-            entries.append(FileEntry(name, SAFETENSORS_CODE[dtype], lengths, prod(lengths) * dtype.itemsize))
-        layout = layout_file(entries, {"format": "pt", "shardsafe_format_version": "2"})
-        header_digest = file_digest(layout.header)
-        cblock = self.knobs.checksum_block_bytes
+            facts[item.index.fqn] = (tuple(td.size), SAFETENSORS_CODE[td.properties.dtype], td.properties.dtype.itemsize)
+        chunks = [(item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes), None) for item in items]
+        layout = file_layout(chunks, facts, cblock, who=f"rank {rp.rank}")
         block = max(cblock, self.knobs.write_block_bytes - self.knobs.write_block_bytes % cblock)
-        results = []
+        digests: list[int] = []  # every block of the file, entry after entry (the entries' byte order)
         with self._open().write_file(file) as out, WriteBehind(out) as behind:
             behind.write(memoryview(layout.header))
-            for item, entry, byte_range in zip(items, entries, layout.byte_ranges):
-                data = _resolved_tensor(item, planner)
-                view = byte_view(data)
-                digests: list[int] = []
+            for item in items:
+                view = byte_view(_resolved_tensor(item, planner))  # checked against the plan: end - begin bytes
                 for pos in range(0, view.nbytes, block):
                     part = view[pos : pos + block]
                     digest_blocks(part, cblock, digests)
                     behind.write(part)
-                td = item.tensor_data
-                chunk = _StoredChunk(
-                    file, layout.size, header_digest, entry.name, tuple(td.chunk.offsets), entry.shape, byte_range,
-                    encode_digests(digests),
-                )
-                results.append(WriteResult(index=item.index, size_in_bytes=entry.nbytes, storage_data=chunk))
-        return results
+            sums = struct.pack(f"<{len(digests)}Q", *digests)  # ceil(bytes / block) per entry: what the layout made room for
+            behind.write(memoryview(sums))
+        stored = _StoredFile(file, layout.size, len(layout.header), file_digest(layout.header), file_digest(sums), cblock)
+        return [
+            WriteResult(index=item.index, size_in_bytes=end - begin, storage_data=_StoredChunk(stored, offsets, lengths))
+            for item, (_key, offsets, lengths, _flat), (begin, end) in zip(items, chunks, layout.byte_ranges)
+        ]
 
     def _metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> StorageMetadata:
-        """``metadata.json`` from DCP's global metadata and every rank's results."""
+        """``metadata.json`` (format v3) from DCP's global metadata and every rank's results."""
         chunks: dict[str, list[_StoredChunk]] = {}
-        files: dict[str, DataFileInfo] = {}
+        files: dict[str, _StoredFile] = {}
         values = []
         for rank_results in results:
             for r in rank_results:
                 sd = r.storage_data
                 if isinstance(sd, _StoredChunk):
                     chunks.setdefault(r.index.fqn, []).append(sd)
-                    files[sd.file] = DataFileInfo(size=sd.file_size, header=sd.header_digest)
+                    files[sd.file.name] = sd.file
                 elif isinstance(sd, _StoredValue):
                     values.append((sd.as_json, sd.pickled))
+        block_bytes = {f.block_bytes for f in files.values()} or {self.knobs.checksum_block_bytes}
+        if len(block_bytes) > 1:  # each rank uses the size its plan carries: plans of two saves mixed
+            raise CheckpointError(
+                f"{self._url()}: the ranks wrote their data files with different checksum block sizes "
+                f"({sorted(block_bytes)} bytes); were their save plans made by one shardsafe.dcp.StorageWriter?"
+            )
+        table = [
+            DataFile(name=f.name, size=f.size, header_bytes=f.header_bytes, header=f.header, sums=f.sums)
+            for f in sorted(files.values(), key=lambda f: f.name)  # rank order: data_file_name pads the rank
+        ]
+        numbers = {f.name: i for i, f in enumerate(table)}
         as_json, pickled = merge_rank_objects(values)
         tensors: dict[str, OurTensorMetadata] = {}
         for key, md in metadata.state_dict_metadata.items():
@@ -296,24 +319,18 @@ class StorageWriter(Located, _DcpStorageWriter):
             if not isinstance(md, TensorStorageMetadata):
                 raise CheckpointError(f"{self._url()}: key {key!r}: DCP metadata of type {type(md).__name__} cannot be stored")
             shape = tuple(md.size)
-            per_file: dict[str, list[TensorShardSpec]] = {}
             mine = chunks.pop(key, [])
-            for c in mine:
-                spec = TensorShardSpec(
-                    global_offset=c.offsets, local_shape=c.lengths, name=c.name, byte_range=c.byte_range, checksums=c.checksums
-                )
-                per_file.setdefault(c.file, []).append(spec)
             check_tiling(key, shape, [(c.offsets, c.lengths, None) for c in mine])  # ShardingError naming the gap
             whole = len(mine) == 1 and mine[0].lengths == shape
-            tensors[key] = OurTensorMetadata(
-                shape=shape, dtype=dtype_name(md.properties.dtype, key=key), is_sharded=not whole, shard_spec_per_file=per_file
+            rows = [(numbers[c.file.name], c.offsets, c.lengths, None) for c in mine]
+            tensors[key] = OurTensorMetadata.from_table(
+                shape, dtype_name(md.properties.dtype, key=key), not whole, ChunkTable.from_chunks(rows, len(shape))
             )
         if chunks:
             raise CheckpointError(f"{self._url()}: ranks wrote chunks of {sorted(chunks)[:5]}, which DCP's metadata does not name")
         return StorageMetadata(
-            format_version=2,  # laid out as format v2: chunk places and checksums in metadata.json
-            checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=self.knobs.checksum_block_bytes),
-            files=files,
+            checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=block_bytes.pop()),
+            file_table=table,
             tensors=tensors,
             objects=as_json,
             pickled_objects=pickled,
