@@ -208,28 +208,18 @@ def write_file(buf: memoryview, path: str, unit: int, hash: bool, write: bool, b
                 py_s=max(0.0, total - hash_s - put_s - write_s - fsync_s), total_s=total)
 
 
-def hash_gil_check(fn: Callable[[memoryview], object] = _digest) -> str:
-    """Whether ``fn`` lets other threads run while it hashes a large buffer. A thread calls it
-    on 256 MiB ten times, noting when each call begins and ends, while this thread loops on a
-    GIL-releasing call noting the time. A call that holds the GIL leaves a gap of at least its
-    own length (about: 0.7 of the shortest of two calls alone) between this thread's stamps in its window; one that
-    releases it leaves only gaps from the scheduler."""
-    data = memoryview(bytearray(os.urandom(MiB)) * 256)
-    fn(data)
-    one = float("inf")
-    for _ in range(2):
-        t = time.monotonic()
-        fn(data)
-        one = min(one, time.monotonic() - t)
+def _stalls(fn: Callable[[memoryview], object], data: memoryview, one: float) -> int:
+    """In how many of ten calls of ``fn(data)`` (about ``one`` s each) in another thread this
+    thread, looping on a GIL-releasing call, went ``0.7 * one`` without running."""
     windows: list[tuple[float, float]] = []
 
-    def hash_ten() -> None:
+    def ten() -> None:
         for _ in range(10):
             t = time.monotonic()
             fn(data)
             windows.append((t, time.monotonic()))
 
-    th = threading.Thread(target=hash_ten, daemon=True)
+    th = threading.Thread(target=ten, daemon=True)
     devnull = os.open(os.devnull, os.O_WRONLY)
     stamps = [time.monotonic()]
     th.start()
@@ -237,11 +227,36 @@ def hash_gil_check(fn: Callable[[memoryview], object] = _digest) -> str:
         os.write(devnull, b"x")
         stamps.append(time.monotonic())
     os.close(devnull)
-    gaps = [(stamps[i], stamps[i + 1]) for i in range(len(stamps) - 1)]
-    blocked = sum(any(b_ - a_ >= 0.7 * one and a_ < b and b_ > a for a_, b_ in gaps) for a, b in windows)
-    verdict = "HOLDS the GIL" if blocked >= 8 else "releases the GIL" if blocked <= 3 else "UNCLEAR (noisy machine)"
-    return (f"{verdict} while hashing (one call on 256 MiB: {one * 1e3:.1f} ms alone; in {blocked} of 10 such calls "
-            f"this thread, looping on a GIL-releasing call, stalled that long)")
+    gaps = [(stamps[i], stamps[i + 1]) for i in range(len(stamps) - 1) if stamps[i + 1] - stamps[i] >= 0.7 * one]
+    return sum(any(a_ < b and b_ > a for a_, b_ in gaps) for a, b in windows)
+
+
+def _call_time(fn: Callable[[memoryview], object], data: memoryview) -> float:
+    fn(data)
+    best = float("inf")
+    for _ in range(2):
+        t = time.monotonic()
+        fn(data)
+        best = min(best, time.monotonic() - t)
+    return best
+
+
+def hash_gil_check() -> str:
+    """Whether the digest function lets other threads run while it hashes a large buffer. A
+    call that holds the GIL stops this thread's Python for the whole call; so a thread hashes
+    256 MiB ten times while this one loops on a GIL-releasing call, and counts the calls in
+    which this thread stalled for most of a call. The control is ``zlib.crc32`` (which releases
+    the GIL) on a slice that takes as long: the same CPU load, so the stalls it shows are the
+    scheduler's."""
+    data = memoryview(bytearray(os.urandom(MiB)) * 256)
+    one = _call_time(_digest, data)
+    crc = _call_time(zlib.crc32, data[: 64 * MiB]) / (64 * MiB)
+    ctrl = data[: max(MiB, min(data.nbytes, int(one / crc)))]
+    hashed, control = _stalls(_digest, data, one), _stalls(zlib.crc32, ctrl, _call_time(zlib.crc32, ctrl))
+    verdict = ("HOLDS the GIL" if hashed >= 8 and control <= 3 else "releases the GIL" if hashed <= control + 2
+               else "UNCLEAR (noisy machine)")
+    return (f"{verdict} while hashing (one call on 256 MiB: {one * 1e3:.1f} ms; this thread stalled through "
+            f"{hashed} of 10 such calls, through {control} of 10 as long zlib.crc32 calls that release it)")
 
 
 # --------------------------------------------------------------------------- carriers
