@@ -155,24 +155,6 @@ def data_file_name(rank: int, save_id: str) -> str:
     return f"shard-r{rank:05d}-{save_id}.safetensors"
 
 
-def _entry_name(key: str, shape: Shape, offsets: Shape, lengths: Shape, flat: tuple[int, int] | None, used: set[str]) -> str:
-    """The chunk's entry name in its file: the key itself for a whole tensor (so the file reads
-    like any safetensors file), else key@offsets[+flat start]; made unique within the file, and
-    never the safetensors header's reserved ``__metadata__``."""
-    if flat is None and lengths == shape and not any(offsets) and key != "__metadata__":
-        name = key
-    else:
-        name = f"{key}@{','.join(map(str, offsets))}"
-        if flat is not None:
-            name = f"{name}+{flat[0]}"
-    base, n = name, 1
-    while name in used:  # another key's chunk name, e.g. key "a@0" beside chunk "a" at offset 0
-        name = f"{base}#{n}"
-        n += 1
-    used.add(name)
-    return name
-
-
 class _Joint:
     """A joint class: tensors with the same global shape, held by the same ranks with the same
     pieces. ``members``: (group, class in that group's ranks)."""
