@@ -119,3 +119,18 @@ def test_a_flattened_range_over_its_whole_box_loads_and_verifies(tmp_path):
     report = shardsafe.verify(path)
     assert report.ok and report.chunks == 2 and report.bytes == 48
     assert torch.equal(Checkpointer().unshard(path)["t"], t)
+
+
+def test_from_table_makes_what_model_construct_makes():
+    from shardsafe.format.chunk_table import ChunkTable
+    from shardsafe.format.metadata import TensorStorageMetadata
+
+    table = ChunkTable.from_chunks([(0, (0, 0), (2, 3), None), (1, (2, 0), (2, 3), (0, 6))], 2)
+    fast = TensorStorageMetadata.from_table((4, 3), "float32", True, table)
+    slow = TensorStorageMetadata.model_construct(shape=(4, 3), dtype="float32", is_sharded=True, table=table.to_json())
+    assert fast.__dict__ == slow.__dict__ and list(fast.__dict__) == list(slow.__dict__)
+    assert fast.__pydantic_fields_set__ == slow.__pydantic_fields_set__
+    assert fast.__pydantic_extra__ == slow.__pydantic_extra__
+    slow._table = table
+    assert fast.__pydantic_private__ == slow.__pydantic_private__
+    assert fast.model_dump_json() == slow.model_dump_json()
