@@ -123,7 +123,7 @@ def test_a_flattened_range_over_its_whole_box_loads_and_verifies(tmp_path):
 
 def test_from_table_makes_what_model_construct_makes():
     from shardsafe.format.chunk_table import ChunkTable
-    from shardsafe.format.metadata import TensorStorageMetadata
+    from shardsafe.format.metadata import DataFile, TensorStorageMetadata, built
 
     table = ChunkTable.from_chunks([(0, (0, 0), (2, 3), None), (1, (2, 0), (2, 3), (0, 6))], 2)
     fast = TensorStorageMetadata.from_table((4, 3), "float32", True, table)
@@ -134,3 +134,7 @@ def test_from_table_makes_what_model_construct_makes():
     slow._table = table
     assert fast.__pydantic_private__ == slow.__pydantic_private__
     assert fast.model_dump_json() == slow.model_dump_json()
+    fields = {"name": "a.safetensors", "size": 80, "header_bytes": 64, "header": "0" * 16, "sums": "1" * 16}
+    fast_file, slow_file = built(DataFile, fields), DataFile.model_construct(**fields)
+    assert fast_file.__dict__ == slow_file.__dict__ and fast_file.__pydantic_fields_set__ == slow_file.__pydantic_fields_set__
+    assert fast_file.__pydantic_private__ == slow_file.__pydantic_private__ and fast_file == slow_file

@@ -35,7 +35,7 @@ from ..adapters.nested import flatten_state
 from ..dist import Comm, background_comm
 from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
-from ..format.metadata import METADATA_FILENAME, ChecksumConfig, DataFile, StorageMetadata, TensorStorageMetadata
+from ..format.metadata import METADATA_FILENAME, ChecksumConfig, DataFile, StorageMetadata, TensorStorageMetadata, built
 from ..knobs import Knobs
 from ..planning.save_plan import (
     GlobalPlan,
@@ -538,7 +538,7 @@ def _build_metadata(
         )
     # our own values: no validation (one model per rank)
     table = [
-        DataFile.model_construct(name=data_file_name(rank, save_id), size=f[0], header_bytes=f[1], header=f[2], sums=f[3])
+        built(DataFile, {"name": data_file_name(rank, save_id), "size": f[0], "header_bytes": f[1], "header": f[2], "sums": f[3]})
         for rank in plan.file_ranks
         if (f := files[rank]) is not None
     ]
