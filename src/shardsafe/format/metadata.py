@@ -267,12 +267,13 @@ class TensorStorageMetadata(BaseModel):
     def chunks_overlapping(self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> Iterator[tuple[str, TensorShardSpec]]:
         """The chunks whose box overlaps any of ``boxes`` (``(offsets, lengths)``), and possibly
         others: in format v3 only their files' headers are read."""
-        if self._table is None:
+        table = self.__pydantic_private__["_table"]  # read so, private attributes skip pydantic's slow __getattr__ (every tensor of a load)
+        if table is None:
             yield from self.chunks()
             return
         picked: set[int] = set()
         for off, lens in boxes:
-            picked.update(self._table.overlapping(off, lens).tolist())
+            picked.update(table.overlapping(off, lens).tolist())
         yield from self._resolved(sorted(picked))
 
     def files_overlapping(self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> set[int]:
@@ -286,21 +287,22 @@ class TensorStorageMetadata(BaseModel):
         return out
 
     def _resolved(self, indices: Iterable[int]) -> Iterator[tuple[str, TensorShardSpec]]:
-        table, doc = self._table, self._doc
+        private = self.__pydantic_private__
+        table, doc, key = private["_table"], private["_doc"], private["_key"]
         assert table is not None
-        resolver = doc._bound(self._key)
+        resolver = doc._bound(key)
         itemsize = self.torch_dtype.itemsize
         for i in indices:
             f, off, lens, flat = table.chunk(i)
             try:
                 index = resolver.file(f)
             except CorruptCheckpointError as e:  # the file's own damage, named with the key that needed it
-                raise type(e)(f"key {self._key!r}: {e}") from None
-            name = entry_name(self._key, self.shape, off, lens, flat)
+                raise type(e)(f"key {key!r}: {e}") from None
+            name = entry_name(key, self.shape, off, lens, flat)
             numel = flat[1] - flat[0] if flat is not None else prod(lens)
-            begin, end, _ = index.locate(name, numel * itemsize, key=self._key)
-            spec = TensorShardSpec.model_construct(
-                global_offset=off, local_shape=lens, flattened_range=flat, name=name, byte_range=(begin, end)
+            begin, end, _ = index.locate(name, numel * itemsize, key=key)
+            spec = built(
+                TensorShardSpec, {"global_offset": off, "local_shape": lens, "flattened_range": flat, "name": name, "byte_range": (begin, end)}
             )
             yield index.name, spec
 
@@ -309,10 +311,12 @@ class TensorStorageMetadata(BaseModel):
         v3: from the checksum entry of its file)."""
         where = f"{file}:{spec.name}"
         nbytes = spec.byte_range[1] - spec.byte_range[0]
-        cfg = self._checksum
-        if self._table is not None and cfg is not None:
-            index = self._doc._bound(self._key).file(self._doc._file_number(file))
-            first = index.locate(spec.name, nbytes, key=self._key)[2]
+        private = self.__pydantic_private__
+        cfg = private["_checksum"]
+        if private["_table"] is not None and cfg is not None:
+            doc, key = private["_doc"], private["_key"]
+            index = doc._bound(key).file(doc._file_number(file))
+            first = index.locate(spec.name, nbytes, key=key)[2]
             blocks = -(-nbytes // cfg.block_bytes)
             return ChunkSums(cfg.algorithm, cfg.block_bytes, nbytes, tuple(index.digests[first : first + blocks].tolist()), where)
         if cfg is None:
@@ -423,18 +427,20 @@ class StorageMetadata(BaseModel):
         return self._resolver
 
     def _bound(self, key: str) -> Resolver:
-        if self._resolver is None:
+        resolver = self.__pydantic_private__["_resolver"]
+        if resolver is None:
             raise CorruptCheckpointError(
                 f"tensor {key!r}: format v3 metadata keeps the chunks' byte ranges and checksums in the data files' headers; "
                 "this StorageMetadata is not bound to its checkpoint (call meta.bind(storage), or use "
                 "Checkpointer.get_metadata, which does)"
             )
-        return self._resolver
+        return resolver
 
     def _file_number(self, name: str) -> int:
-        if self._file_numbers is None:
-            self._file_numbers = {f.name: i for i, f in enumerate(self.file_table or ())}
-        return self._file_numbers[name]
+        numbers = self.__pydantic_private__["_file_numbers"]
+        if numbers is None:
+            numbers = self._file_numbers = {f.name: i for i, f in enumerate(self.file_table or ())}
+        return numbers[name]
 
     def to_json(self) -> bytes:
         """The document as written: compact JSON whose last member, ``metadata_checksum``, is
