@@ -15,7 +15,9 @@ norms: ``dp * 2 + tp``), plus a little common state. The same tensors go through
   Megatron-LM runs it with ``--ckpt-fully-parallel-save/load``.
 
 Operations, each bracketed by barriers (a rank's time includes waiting for the slowest): ``save``;
-``load`` into the same layout; ``reshard``: load into TP1 x DP4 (every rank the whole model). The
+``load`` into the same layout; ``reshard``: load into TP1 x DP4 (every rank the whole model). Before
+each, the ranks collect garbage and give freed heap memory back to the OS (glibc ``malloc_trim``), so
+what the previous step freed is not paid for inside the next one's clock. The
 methods are interleaved in an order rotated each repetition; the table shows medians. Loads read
 what the save just wrote (warm page cache), and every loaded tensor is compared bit for bit with
 what was saved. megatron-core's ``torch_dist`` code calls ``torch.cuda.synchronize`` /
@@ -23,12 +25,23 @@ what was saved. megatron-core's ``torch_dist`` code calls ``torch.cuda.synchroni
 the ranks make the former no-ops and keep the exchange buffers on the CPU (nothing else changes).
 
 Prints a table and ``MEGATRON save=..x load=..x reshard=..x`` (Megatron's best method's median
-time over ``shardsafe``'s, per operation) and ``TARGETS`` (save >= 1.3x, loads >= 2x).
+time over ``shardsafe``'s, per operation) and ``TARGETS`` (save >= 1.3x, loads >= 2x). The table's
+CPU column is the median over repetitions of the CPU seconds of the four rank processes together
+(every thread, from the opening barrier to the end of the call; not forked helper processes, such as
+the workers megatron-core's torch_dist save writes from), and ``CPU load=..x reshard=..x`` is
+Megatron's best method's over ``shardsafe``'s: on a machine with fewer cores than ranks the wall
+times depend on what else runs, the CPU seconds much less.
+
+The default model is small (64 MiB per rank at TP2): every library's fixed cost per call (its
+collectives, planning) is a large part of a load there. ``--rank-mib N`` sets the number of layers
+so that each rank holds about N MiB at TP2 (the whole model, twice that, is loaded by every rank
+in the resharding load: mind the memory, four ranks times about three times the model).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -42,7 +55,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
 sys.path.insert(0, _HERE)
 
-from iobench.harness import run_ranks_collect  # noqa: E402
+from iobench.harness import run_ranks_collect, trim_heap  # noqa: E402
 from iobench.report import replace_section  # noqa: E402
 
 METHODS = ("shardsafe", "shardsafe-fp", "megatron", "megatron-fp")
@@ -227,11 +240,17 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
         local_bytes = sum(local_part(t, a, tp, TP).nbytes for (k, (_s, a)), t in zip(model_shapes(cfg).items(), whole.values()))
 
         def timed(op: str, method: str, rep: int, fn) -> Any:
+            gc.collect()
+            trim_heap()  # what the previous step freed goes back to the OS now, not inside this clock
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = fn()
+            cpu = time.process_time() - c0
             dist.barrier()
-            records.append({"op": op, "method": method, "rep": rep, "rank": rank, "seconds": time.perf_counter() - t0, "local_bytes": local_bytes})
+            records.append({
+                "op": op, "method": method, "rep": rep, "rank": rank, "seconds": time.perf_counter() - t0, "cpu_s": cpu,
+                "local_bytes": local_bytes,
+            })
             return out
 
         for rep in range(cfg.reps):
@@ -267,8 +286,8 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
 
 
 def summarize(records: list[dict], methods: tuple[str, ...]) -> dict[str, dict[str, dict]]:
-    """Per operation and method: median over repetitions of the slowest rank's time, and whether
-    every rank's load was bit-exact."""
+    """Per operation and method: median over repetitions of the slowest rank's time and of the
+    ranks' CPU seconds together, and whether every rank's load was bit-exact."""
     out: dict[str, dict[str, dict]] = {}
     for op in OPS:
         out[op] = {}
@@ -276,13 +295,14 @@ def summarize(records: list[dict], methods: tuple[str, ...]) -> dict[str, dict[s
             recs = [r for r in records if r["op"] == op and r["method"] == m]
             reps = sorted({r["rep"] for r in recs})
             per_rep = [max(r["seconds"] for r in recs if r["rep"] == k) for k in reps]
+            cpu = [sum(r["cpu_s"] for r in recs if r["rep"] == k) for k in reps]
             ok = all(r.get("ok", True) for r in recs)
-            out[op][m] = {"median_s": statistics.median(per_rep), "reps_s": per_rep, "ok": ok}
+            out[op][m] = {"median_s": statistics.median(per_rep), "reps_s": per_rep, "cpu_s": statistics.median(cpu), "ok": ok}
     return out
 
 
 def ratio_lines(summary: dict[str, dict[str, dict]]) -> list[str]:
-    values, best, targets = [], [], []
+    values, best, targets, cpu = [], [], [], []
     for op in OPS:
         peers = {m: v for m, v in summary[op].items() if m.startswith("megatron")}
         if "shardsafe" not in summary[op] or not peers:
@@ -292,20 +312,26 @@ def ratio_lines(summary: dict[str, dict[str, dict]]) -> list[str]:
         values.append(f"{op}={ratio:.2f}x")
         best.append(f"{op}_best={name}")
         targets.append(f"{op}>={TARGETS[op]:g}x:{'ok' if ratio >= TARGETS[op] else 'MISS'}")
-    return [f"MEGATRON {' '.join(values + best)}", f"TARGETS {' '.join(targets)}"]
+        if op != "save":  # a torch_dist save writes from forked processes, whose CPU is not counted
+            lean = min(peers, key=lambda m: peers[m]["cpu_s"])
+            cpu.append(f"{op}={peers[lean]['cpu_s'] / summary[op]['shardsafe']['cpu_s']:.2f}x")
+    return [f"MEGATRON {' '.join(values + best)}", f"TARGETS {' '.join(targets)}", f"CPU {' '.join(cpu)}"]
 
 
 def table(summary: dict[str, dict[str, dict]], cfg: Config, total_bytes: int) -> str:
     lines = [
-        "| operation | method | median s | spread s | GB/s (model) | vs shardsafe | bit-exact |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| operation | method | median s | spread s | GB/s (model) | vs shardsafe | bit-exact | CPU s (4 ranks) |",
+        "|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for op in OPS:
         base = summary[op].get("shardsafe", {}).get("median_s")
         for m, v in summary[op].items():
             rel = f"{v['median_s'] / base:.2f}x" if base else "-"
             spread = f"{min(v['reps_s']):.3f}–{max(v['reps_s']):.3f}"
-            lines.append(f"| {op} | {m} | {v['median_s']:.3f} | {spread} | {total_bytes / v['median_s'] / 1e9:.3g} | {rel} | {'yes' if v['ok'] else 'NO'} |")
+            lines.append(
+                f"| {op} | {m} | {v['median_s']:.3f} | {spread} | {total_bytes / v['median_s'] / 1e9:.3g} | {rel} | "
+                f"{'yes' if v['ok'] else 'NO'} | {v['cpu_s']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -318,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 1024, --quick 64)")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rank-mib", type=float, default=None, help="instead of --layers: as many layers as make about this many MiB per rank at TP2")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 8192, --quick 256)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions of every method (default 5, --quick 1)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of: " + ", ".join(METHODS))
@@ -330,11 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    hidden = args.hidden or (64 if args.quick else 1024)
+    vocab = args.vocab or (256 if args.quick else 8192)
+    layers = args.layers if args.rank_mib is None else layers_for(args.rank_mib * 2**20, hidden, vocab)
     cfg = Config(
         root=args.dir,
-        hidden=args.hidden or (64 if args.quick else 1024),
-        layers=args.layers,
-        vocab=args.vocab or (256 if args.quick else 8192),
+        hidden=hidden,
+        layers=layers,
+        vocab=vocab,
         reps=args.reps or (1 if args.quick else 5),
         methods=methods,
     )
@@ -348,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(records, methods)
     head = (
         f"4 ranks, TP{TP} x DP{DP} -> reshard to TP1 x DP4; GPT-like: hidden {cfg.hidden}, {cfg.layers} layers, "
-        f"vocabulary {cfg.vocab}; model {total / 2**20:.1f} MiB fp32, {total / TP / 2**20:.1f} MiB per rank; "
+        f"vocabulary {cfg.vocab}; model {total / 2**20:.1f} MiB fp32, {rank_bytes(cfg) / 2**20:.1f} MiB per rank; "
         f"median of {cfg.reps} interleaved repetitions, warm page cache\n\n"
     )
     text = head + table(summary, cfg, total)
@@ -361,6 +391,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_docs:
         update_docs(os.path.join(_REPO, "docs", "benchmarks.md"), text + "\n```\n" + "\n".join(lines) + "\n```\n")
     return 0
+
+
+def rank_bytes(cfg: Config) -> int:
+    """The bytes one rank holds at TP2 (fp32)."""
+    return sum(4 * _numel(s) // (TP if a is not None else 1) for s, a in model_shapes(cfg).values())
+
+
+def layers_for(target: float, hidden: int, vocab: int) -> int:
+    """The number of layers (at least 1) whose model puts closest to ``target`` bytes on each rank at TP2."""
+    def at(n: int) -> int:
+        return rank_bytes(Config("", hidden, n, vocab, 1, ()))
+
+    per_layer = at(2) - at(1)
+    return max(1, round(1 + (target - at(1)) / per_layer))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

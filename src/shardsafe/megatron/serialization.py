@@ -140,8 +140,10 @@ def load(
     meta: Any
     if _reads_torch_dist(strategy):
         meta = strategy.view(checkpoint_dir)  # type: ignore[attr-defined]
+        comm = get_comm(call="shardsafe.megatron.load")
     else:
-        meta = read_metadata(checkpoint_dir, no_dist=False)
+        comm = get_comm(call="shardsafe.megatron.load")  # the one check-in: the metadata's broadcast is the first collective
+        meta = read_metadata(checkpoint_dir, no_dist=False, comm=comm)
         config = config_of(meta)
         strategy.check_backend_compatibility(config.sharded_backend)
         strategy.check_version_compatibility(config.sharded_backend_version)
@@ -153,7 +155,6 @@ def load(
         merge(parts["common"], nonpersistent)
         return extract_sharded_base(sharded)[0]
 
-    comm = get_comm(call="shardsafe.megatron.load")
     loaded, missing, unexpected = strategy.load_all(
         prepare, checkpoint_dir, meta, comm, validate=validate_access_integrity, strict=strict
     )

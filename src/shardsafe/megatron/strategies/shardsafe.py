@@ -28,19 +28,19 @@ from collections.abc import Callable
 from dataclasses import asdict
 from os import PathLike, fspath
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import xxhash
 
 from ... import adapters
-from ...checkpointer import Checkpointer
+from ...checkpointer import Checkpointer, _read_metadata
 from ...dist import Comm, get_comm
 from ...engine.background import AsyncSave
 from ...errors import ForeignCheckpointError, IncompleteCheckpointError
 from ...format.metadata import METADATA_FILENAME, StorageMetadata
 from ...knobs import Knobs
-from ...storage import Storage
+from ...storage import Storage, open_storage
 from .._values import decode_value, encode_value
 from ..core import (
     CONFIG_KEY,
@@ -72,6 +72,7 @@ from .base import (
 __all__ = ["COMMON_KEY", "ShardsafeLoadShardedStrategy", "ShardsafeSaveShardedStrategy", "read_metadata"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 COMMON_KEY = "megatron:common"
 """The value (in ``metadata.json``'s ``objects``) holding rank 0's common state."""
 FORMAT_VERSION = 1
@@ -250,7 +251,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
         """The ShardedTensors and ShardedObjects of ``sharded_state_dict``, loaded (tensors in place)."""
         comm = get_comm(call="shardsafe.megatron.load")
-        meta = read_metadata(checkpoint_dir, no_dist=False)
+        meta = read_metadata(checkpoint_dir, no_dist=False, comm=comm)
         loaded, _, _ = self.load_all(
             lambda: sharded_state_dict, checkpoint_dir, meta, comm, validate=False, strict=StrictHandling.ASSUME_OK_UNEXPECTED
         )
@@ -348,22 +349,30 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
             prepared["targets"], prepared["objects"] = self._targets(sharded_state_dict, meta, checkpoint_dir)
             return (requested if need_global else None), sorted(unexpected)
 
-        gathered = comm.gather(local_step)
+        raising = strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL)
 
-        def coordinate() -> set[str]:
+        def coordinate(gathered: list[Any] | None) -> set[str]:
             comm.raise_failures(gathered)
-            per_rank = [g[0] for g in gathered]  # type: ignore[index]
+            per_rank = [g[0] for g in gathered]  # type: ignore[union-attr]
             if validate:
                 check_global_sharding(per_rank)  # type: ignore[arg-type]
             missing: set[str] = set()
             if StrictHandling.requires_global_app_metadata(strict):
                 missing = ckpt_keys - {e.key for entries in per_rank for e in entries}  # type: ignore[union-attr]
-            if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-                unexpected = {comm.global_ranks[r]: g[1] for r, g in enumerate(gathered) if g[1]}  # type: ignore[index]
+            if raising:
+                unexpected = {comm.global_ranks[r]: g[1] for r, g in enumerate(gathered) if g[1]}  # type: ignore[arg-type, index]
                 _raise_mismatch(missing if strict == StrictHandling.RAISE_ALL else set(), unexpected, str(checkpoint_dir))
             return missing
 
-        missing = comm.broadcast(coordinate)
+        missing: set[str] = set()
+        if not (need_global or raising):  # nothing to check across ranks: only failures travel (one all-reduce)
+            _check_all(comm, local_step)
+        else:
+            gathered = comm.gather(local_step)
+            if StrictHandling.requires_global_app_metadata(strict):
+                missing = comm.broadcast(lambda: coordinate(gathered))
+            else:  # only the verdict travels (one all-reduce when the check passes)
+                _check_at_coordinator(comm, lambda: coordinate(gathered))
         unexpected = prepared["unexpected"]
         if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and (missing or unexpected):
             log.warning("%s", _mismatch_text(missing, {comm.global_rank: sorted(unexpected)} if unexpected else {}, str(checkpoint_dir)))
@@ -386,7 +395,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         every rank. The ranks checked in together when the load began: each reads with no
         check-in of its own (one round trip through the store less per load)."""
         ckpt = Checkpointer(allow_pickle=False, knobs=self.knobs)
-        get_comm(call=None).check(lambda: ckpt.load(location(checkpoint_dir), targets, no_dist=True, metadata=meta))
+        _check_all(get_comm(call=None), lambda: ckpt.load(location(checkpoint_dir), targets, no_dist=True, metadata=meta))
 
     def _targets(
         self, sharded_state_dict: ShardedStateDict, meta: StorageMetadata, checkpoint_dir: Any
@@ -420,6 +429,42 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 + (f" (it holds {cells[:5]} of key {v.key!r}: was it saved with another global shape?)" if cells else "")
             )
         return decode_value(meta.objects[key], where=f"{checkpoint_dir}: ShardedObject {key!r}", allow_pickle=self.allow_pickle)
+
+
+def _check_all(comm: Comm, fn: Callable[[], T]) -> T:
+    """``comm.check(fn)``: ``fn``'s value, or every rank raises when it failed on any rank, with
+    the same errors; but when no rank fails, the ranks exchange one int (an all-reduce), not
+    their records (two all-gathers). The records travel only after a failure."""
+    error: Exception | None = None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - raised on every rank below, as comm.check raises it
+        error = e
+    if comm.any(error is not None):
+        comm.check(lambda: _raise(error))
+    return value
+
+
+def _check_at_coordinator(comm: Comm, fn: Callable[[], T]) -> T | None:
+    """``comm.broadcast(fn)`` for an ``fn`` whose value only the coordinator needs (a check):
+    the coordinator's value (None on the other ranks), or every rank raises ``fn``'s error, the
+    same errors; when ``fn`` succeeds, the ranks exchange one int (an all-reduce), not the
+    pickled value (two broadcasts)."""
+    error: Exception | None = None
+    value = None
+    if comm.is_coordinator:
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - broadcast to every rank below, as comm.broadcast sends it
+            error = e
+    if comm.any(error is not None):
+        comm.broadcast(lambda: _raise(error))
+    return value
+
+
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
 
 
 def _put_object(state: dict[str, Any], v: ShardedObject, allow_pickle: bool) -> None:
@@ -472,10 +517,14 @@ def location(checkpoint_dir: str | Path | Storage) -> str | Storage:
     return checkpoint_dir if not isinstance(checkpoint_dir, (str, PathLike)) else fspath(checkpoint_dir)
 
 
-def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool) -> StorageMetadata:
+def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool, comm: Comm | None = None) -> StorageMetadata:
     """The checkpoint's metadata (read once and broadcast unless ``no_dist``), or
-    ``CheckpointingException`` when the directory holds none or holds Megatron-Core's own format."""
+    ``CheckpointingException`` when the directory holds none or holds Megatron-Core's own format.
+    ``comm``: the ranks of the calling load, which have checked in already (its broadcast is the
+    only collective); without it the ranks check in as ``Checkpointer.get_metadata`` does."""
     try:
+        if comm is not None and not no_dist:
+            return _read_metadata(open_storage(location(checkpoint_dir)), comm)
         return Checkpointer().get_metadata(location(checkpoint_dir), no_dist=no_dist)
     except ForeignCheckpointError as e:
         config = maybe_load_config(str(checkpoint_dir))
