@@ -5,8 +5,10 @@ four ranks meet at a file barrier, then save together. Three modes:
 
 - ``fresh``: an empty directory, ``save_overwrite=False``: exactly one job commits, the other
   gets a ``CheckpointError`` on every rank;
-- ``overwrite``: a committed checkpoint is there, ``save_overwrite=True``: exactly one wins
-  (both may succeed only if their saves did not overlap in time; then the later one is there);
+- ``overwrite``: a committed checkpoint is there, ``save_overwrite=True``: exactly one wins,
+  unless the later one read the committed version after the earlier one's commit had begun
+  (then it legally replaced it and is there): each job's coordinator records when it read the
+  version and when it committed (:func:`_clocked`);
 - ``existing``: a committed checkpoint is there, ``save_overwrite=False``: both are refused.
 
 Then the directory must load bit-exact as the winner's state (or the previous one if nobody
@@ -44,6 +46,7 @@ def racer(rank: int, world: int, job: int, directory: str, version: int, overwri
     from .states import sharded_rank_state
 
     state = sharded_rank_state(rank, version, large=True, dtensor=False)
+    clock = _clocked()
     open(os.path.join(barrier, f"{job}-{rank}"), "w").close()
     deadline = time.monotonic() + 60
     while len(os.listdir(barrier)) < 2 * world and time.monotonic() < deadline:
@@ -56,8 +59,28 @@ def racer(rank: int, world: int, job: int, directory: str, version: int, overwri
         out = {"status": "refused", "type": type(e).__name__, "message": str(e)[:2000]}
     except Exception as e:  # noqa: BLE001 - classified by the campaign
         out = {"status": "foreign", "type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e)[:2000]}
-    out.update(t0=t0, t1=time.monotonic())
+    out.update(t0=t0, t1=time.monotonic(), **clock)
     return out
+
+
+def _clocked() -> dict[str, float]:
+    """Record, on the coordinator, when the save read the committed version (``read``) and when
+    its commit began (``commit``): CLOCK_MONOTONIC, like ``t0``/``t1``."""
+    from shardsafe.engine import writer
+
+    clock: dict[str, float] = {}
+    read, put = writer.committed_version, writer.put_metadata
+
+    def timed_read(storage: Any) -> Any:
+        clock.setdefault("read", time.monotonic())
+        return read(storage)
+
+    def timed_put(*args: Any, **kwargs: Any) -> Any:
+        clock["commit"] = time.monotonic()
+        return put(*args, **kwargs)
+
+    writer.committed_version, writer.put_metadata = timed_read, timed_put  # type: ignore[assignment]
+    return clock
 
 
 def _job_outcome(ranks: list[dict[str, Any]] | str) -> str:
@@ -109,11 +132,12 @@ def _expected(mode: str, outcomes: list[str], results: list[Any], versions: tupl
         return ["none-won"], previous
     if len(won) == 1:
         return [], [versions[won[0]]]
-    a, b = ([min(r["t0"] for r in res), max(r["t1"] for r in res)] for res in results)
-    later = [versions[0], versions[1]] if a[0] > b[0] else [versions[1], versions[0]]
-    if mode == "overwrite" and (a[1] < b[0] or b[1] < a[0]):  # one after the other: the later one is there
-        return [], later[:1]
-    return ["both-won"], later
+    reads = [min(r.get("read", float("inf")) for r in res) for res in results]
+    commits = [min(r.get("commit", float("inf")) for r in res) for res in results]
+    first, second = (0, 1) if commits[0] <= commits[1] else (1, 0)
+    if mode == "overwrite" and reads[second] >= commits[first]:  # it saw the first's commit (or raced only its rename): it replaced it
+        return [], [versions[second]]
+    return ["both-won"], [versions[second], versions[first]]
 
 
 def _check_dir(box: Sandbox, directory: str, accept: list[int], truths: dict[int, str], out: str) -> list[str]:
