@@ -235,12 +235,14 @@ class Comm:
     def check(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank; if any rank fails, every rank raises.
 
-        Only success or failure travels (``None`` or a :class:`Failed` record); each rank
-        returns its own ``fn``'s value.
+        Each rank returns its own ``fn``'s value. When no rank fails, the ranks exchange one int
+        (:meth:`any`); the failure records travel (an all-gather) only after a failure.
         """
         value = self._capture(fn)
-        self._count("all_gather")
         sent = value if isinstance(value, Failed) else None
+        if self.distributed and not self.any(sent is not None):
+            return value  # type: ignore[return-value]
+        self._count("all_gather")
         results = [sent]
         if self.distributed:
             results = self._all_gather(self._encode(sent)[0])

@@ -366,7 +366,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
 
         missing: set[str] = set()
         if not (need_global or raising):  # nothing to check across ranks: only failures travel (one all-reduce)
-            _check_all(comm, local_step)
+            comm.check(local_step)
         else:
             gathered = comm.gather(local_step)
             if StrictHandling.requires_global_app_metadata(strict):
@@ -395,7 +395,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         every rank. The ranks checked in together when the load began: each reads with no
         check-in of its own (one round trip through the store less per load)."""
         ckpt = Checkpointer(allow_pickle=False, knobs=self.knobs)
-        _check_all(get_comm(call=None), lambda: ckpt.load(location(checkpoint_dir), targets, no_dist=True, metadata=meta))
+        get_comm(call=None).check(lambda: ckpt.load(location(checkpoint_dir), targets, no_dist=True, metadata=meta))
 
     def _targets(
         self, sharded_state_dict: ShardedStateDict, meta: StorageMetadata, checkpoint_dir: Any
@@ -429,20 +429,6 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 + (f" (it holds {cells[:5]} of key {v.key!r}: was it saved with another global shape?)" if cells else "")
             )
         return decode_value(meta.objects[key], where=f"{checkpoint_dir}: ShardedObject {key!r}", allow_pickle=self.allow_pickle)
-
-
-def _check_all(comm: Comm, fn: Callable[[], T]) -> T:
-    """``comm.check(fn)``: ``fn``'s value, or every rank raises when it failed on any rank, with
-    the same errors; but when no rank fails, the ranks exchange one int (an all-reduce), not
-    their records (two all-gathers). The records travel only after a failure."""
-    error: Exception | None = None
-    try:
-        value = fn()
-    except Exception as e:  # noqa: BLE001 - raised on every rank below, as comm.check raises it
-        error = e
-    if comm.any(error is not None):
-        comm.check(lambda: _raise(error))
-    return value
 
 
 def _check_at_coordinator(comm: Comm, fn: Callable[[], T]) -> T | None:
