@@ -26,7 +26,7 @@ from shardsafe.knobs import Knobs
 
 from .distributed import run_ranks
 from .test_dcp import _dcp_failure
-from .test_format_spec import SpecError, assert_bit_equal, read_checkpoint
+from .test_format_spec import SpecError, _flip, assert_bit_equal, read_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
 
@@ -82,14 +82,6 @@ def _header(path: str, name: str) -> tuple[int, dict]:
     with open(os.path.join(path, name), "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         return 8 + n, json.loads(fh.read(n))
-
-
-def _flip(path: str, name: str, pos: int) -> None:
-    with open(os.path.join(path, name), "r+b") as fh:
-        fh.seek(pos)
-        byte = fh.read(1)
-        fh.seek(pos)
-        fh.write(bytes([byte[0] ^ 0x10]))
 
 
 def test_dcp_save_writes_format_v3_that_the_spec_reader_reads(dcp_ckpt):

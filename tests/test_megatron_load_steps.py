@@ -7,8 +7,6 @@ A load checks in once, broadcasts the metadata, gathers the requested pieces to 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from shardsafe import Checkpointer
@@ -16,6 +14,7 @@ from shardsafe.dist import collective_counts
 from shardsafe.megatron import ShardedTensor, ShardedTensorFactory, load, save
 from shardsafe.megatron.strategies import ShardsafeLoadShardedStrategy
 from tests.distributed import run_ranks
+from tests.test_corruption import _flip_byte
 
 
 def _rows(rank: int, world: int, fill: float | None = None) -> dict:
@@ -89,11 +88,7 @@ def _failures(rank: int, world: int, path: str) -> list[tuple[str, str, bool]]:
 def _damage_rank1_rows(path: str) -> str:
     meta = Checkpointer().get_metadata(path, no_dist=True)
     ((file, spec),) = [(f, s) for f, s in meta.tensors["w"].chunks() if s.global_offset == (2, 0)]
-    with open(os.path.join(path, file), "r+b") as f:  # one byte of rank 1's rows
-        f.seek(spec.byte_range[0])
-        byte = f.read(1)
-        f.seek(spec.byte_range[0])
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip_byte(path, file, spec.byte_range[0])  # one byte of rank 1's rows
     return file
 
 
