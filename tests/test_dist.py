@@ -439,7 +439,8 @@ def test_coordinator_that_dies_after_committing_leaves_the_outcome_unknown_not_f
         kind, name, msg = _outcome(results[r])
         assert (kind, name) == ("raised", "CollectiveError"), results[r]
         assert msg.startswith("shardsafe.Checkpointer.save: the coordinator (rank 0) did not report the outcome of the commit ("), msg
-        assert "Connection closed by peer" in msg, msg
+        # gloo's own words for the dead coordinator: closed (its FIN arrived) or reset (an RST did)
+        assert "Connection closed by peer" in msg or "Connection reset by peer" in msg, msg
         assert (f"Whether this save committed is unknown to rank {r}: it did if and only if {path}/metadata.json exists "
                 f"and names data files ending in -{save_id}.safetensors") in msg
     got = Checkpointer().unshard(path)  # it did commit
