@@ -138,3 +138,43 @@ def test_from_table_makes_what_model_construct_makes():
     fast_file, slow_file = built(DataFile, fields), DataFile.model_construct(**fields)
     assert fast_file.__dict__ == slow_file.__dict__ and fast_file.__pydantic_fields_set__ == slow_file.__pydantic_fields_set__
     assert fast_file.__pydantic_private__ == slow_file.__pydantic_private__ and fast_file == slow_file
+
+
+def test_the_other_ranks_parse_of_their_coordinators_metadata_is_what_from_json_gives(tmp_path):
+    """A save's other ranks take the committed document with ``from_own_json`` (no second
+    validation): the same object as ``from_json``, tables decoded alike, the same bytes back."""
+    from shardsafe.format.metadata import StorageMetadata
+
+    t = torch.arange(24.0).reshape(4, 6)
+    flat = t[:2].reshape(-1)
+    r0 = {
+        "box": ShardedTensor("box", t[:2].clone(), (4, 6), (0, 0), (2, 6)),
+        "flat": ShardedTensor("flat", flat[:5].clone(), (4, 6), (0, 0), (2, 6), flattened_range=slice(0, 5)),
+        "rep": torch.ones(3, dtype=torch.bfloat16), "scalar": torch.tensor(7, dtype=torch.int64), "empty": torch.zeros(0, 3),
+    }
+    r1 = {
+        "box": ShardedTensor("box", t[2:].clone(), (4, 6), (2, 0), (2, 6)),
+        "flat": ShardedTensor("flat", torch.cat([flat[5:], t[2:].reshape(-1)]), (4, 6), (0, 0), (4, 6), flattened_range=slice(5, 24)),
+        "rep": torch.ones(3, dtype=torch.bfloat16), "scalar": torch.tensor(7, dtype=torch.int64), "empty": torch.zeros(0, 3),
+    }
+    sharded = str(tmp_path / "sharded")
+    simulate_save(sharded, [r0, r1], split_bytes=16)
+    values = str(tmp_path / "values")
+    Checkpointer(allow_pickle=True).save(values, {"w": t, "step": 3, "betas": (0.9, 0.95), "nan": float("nan"), "odd": {1, 2}})
+    for path in (sharded, values):
+        with open(os.path.join(path, "metadata.json"), "rb") as f:
+            raw = f.read()
+        checked, own = StorageMetadata.from_json(raw, where="m"), StorageMetadata.from_own_json(raw, where="m")
+        assert own == checked and own.to_json() == raw
+        for key, tm in checked.tensors.items():
+            a, b = tm._table, own.tensors[key]._table
+            assert [x.tolist() for x in (a.files, a.offsets, a.lengths)] == [x.tolist() for x in (b.files, b.offsets, b.lengths)]
+            assert (a.flat is None and b.flat is None) or a.flat.tolist() == b.flat.tolist()
+            assert own.tensors[key]._doc is own and own.tensors[key]._key == key and own.tensors[key]._checksum == own.checksum
+        storage = shardsafe.storage.open_storage(path)
+        assert {k: list(t.chunks()) for k, t in own.bind(storage).tensors.items()} == {
+            k: list(t.chunks()) for k, t in checked.bind(storage).tensors.items()
+        }
+    damaged = raw.replace(b'"step":3', b'"step":4')
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        StorageMetadata.from_own_json(damaged, where="m")

@@ -408,7 +408,7 @@ def _finish(
             ) from e
     meta = state.get("meta")
     if meta is None and want_meta:
-        meta = StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}").bind(storage)
+        meta = StorageMetadata.from_own_json(raw, where=f"{storage.url}/{METADATA_FILENAME}").bind(storage)
     elif meta is not None:
         meta.bind(storage)
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []

@@ -490,6 +490,34 @@ class StorageMetadata(BaseModel):
         meta._check(where)
         return meta
 
+    @classmethod
+    def from_own_json(cls, raw: bytes, *, where: str) -> StorageMetadata:
+        """The metadata of a save this job's coordinator has just committed, as it sent it to
+        the other ranks: what :meth:`from_json` returns, without checking again what the
+        coordinator built and checked (the schema, the tiling, the limits; its own checksum is
+        checked, against damage on the way). Format v3 only. A save's every other rank parses
+        it, in the background thread of an async save: pydantic's validation was two thirds of
+        that time (336 tensors: 9.6 ms)."""
+        doc = json.loads(raw)
+        _check_self_checksum(raw, doc, where)
+        file_table = [built(DataFile, f) for f in doc["file_table"]]
+        tables: dict[tuple[tuple[int, ...], str], ChunkTable] = {}
+        tensors = {}
+        for key, t in doc["tensors"].items():
+            shape = tuple(t["shape"])
+            same = (shape, repr(t["table"]))
+            table = tables.get(same)
+            if table is None:
+                table = tables[same] = ChunkTable.from_json(t["table"], shape=shape, nfiles=len(file_table), what=f"{where}: tensor {key!r}")
+            tensors[key] = TensorStorageMetadata.from_table(shape, t["dtype"], t["is_sharded"], table, table_json=t["table"])
+        fields = {
+            "format_version": doc["format_version"], "checksum": built(ChecksumConfig, doc["checksum"]), "file_table": file_table,
+            "tensors": tensors, "objects": doc["objects"], "pickled_objects": doc["pickled_objects"],
+        }
+        meta = built(cls, fields, {"_resolver": None, "_file_numbers": None})
+        meta.model_post_init(None)
+        return meta
+
     def with_tensors(self, keys: Iterable[str]) -> StorageMetadata:
         """The same checkpoint with only the tensors ``keys`` (values unchanged): files that no
         kept tensor names are left out (their bytes are then the caller's to delete)."""
