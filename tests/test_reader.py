@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -101,3 +102,23 @@ def test_loads_share_their_threads_and_a_forked_child_starts_its_own(tmp_path):
     child.start()
     child.join(60)
     assert child.exitcode == 0 and out.get(timeout=5) is True
+
+
+def test_reader_threads_from_local_storage_are_this_ranks_share_of_the_cpus(tmp_path, monkeypatch):
+    """Reads from local storage are CPU work: no more threads than the CPUs this process may run
+    on, over the ranks on this machine (``LOCAL_WORLD_SIZE``, as torchrun sets it); reads from
+    an object store wait on the network and keep ``io_threads``."""
+    from shardsafe.engine.reader import reader_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    local = open_storage(str(tmp_path))
+    knobs = dataclasses.replace(KNOBS, io_threads=64)
+    for ranks_here, expected in ((None, min(64, cpus)), (1, min(64, cpus)), (cpus, 1), (4 * cpus, 1)):
+        if ranks_here is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks_here))
+        assert reader_threads(local, knobs) == expected, ranks_here
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert reader_threads(local, dataclasses.replace(KNOBS, io_threads=1)) == 1
+    assert reader_threads(open_storage("memory://threads"), knobs) == 64

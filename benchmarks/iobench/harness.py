@@ -189,7 +189,10 @@ def _log(cfg: Config, msg: str) -> None:
 
 
 def _rank_entry(run_rank, rank: int, world: int, port: int, cfg: Any, out) -> None:
-    """A rank process: ``run_rank(rank, world, port, cfg)``'s records, or its traceback, onto ``out``."""
+    """A rank process: ``run_rank(rank, world, port, cfg)``'s records, or its traceback, onto ``out``.
+    Every rank runs on this machine, so it is told so as torchrun tells it (``LOCAL_WORLD_SIZE``)."""
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
     try:
         out.put((rank, True, run_rank(rank, world, port, cfg)))
     except BaseException:  # noqa: BLE001 - reported to the parent

@@ -78,12 +78,31 @@ def _forget_shared_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_shared_after_fork)
 
 
+def reader_threads(storage: Storage, knobs: Knobs) -> int:
+    """``knobs.io_threads``; but from local storage, where a read is a copy out of the page cache
+    or off a local disk (CPU work), no more than this rank's share of the CPUs it may run on: their
+    number over the ranks on this machine (``LOCAL_WORLD_SIZE``, which torchrun sets; 1 without
+    it). Object stores keep every thread: their reads wait on the network. Four ranks with four
+    threads each on two cores spent 15-20% more CPU on a load than with one
+    (``benchmarks/bench_megatron.py``)."""
+    from ..storage.local import LocalStorage
+
+    if not isinstance(storage, LocalStorage):
+        return knobs.io_threads
+    try:
+        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks_here = 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(knobs.io_threads, cpus // ranks_here))
+
+
 class Reader:
     """Fills targets from one checkpoint location. Use as a context manager."""
 
     def __init__(self, storage: Storage, knobs: Knobs, *, num_threads: int | None = None) -> None:
         self.storage = storage
-        self.threads = knobs.io_threads if num_threads is None else num_threads
+        self.threads = reader_threads(storage, knobs) if num_threads is None else num_threads
         self.budget = max(knobs.read_buffer_bytes // max(self.threads, 1), 1 << 20)
         # a store may ask for less over-reading than local disk (object stores: bytes are billed)
         self.gap = min(knobs.coalesce_gap_bytes, getattr(storage, "coalesce_gap_bytes", knobs.coalesce_gap_bytes))
