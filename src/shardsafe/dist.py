@@ -214,7 +214,21 @@ class Comm:
         When the coordinator's ``fn`` failed and the broadcast fails too, the coordinator
         raises ``fn``'s error (the broadcast's as its context).
         """
+        return self._from_coordinator(self._capture(fn) if self.is_coordinator else None)
+
+    def check_at_coordinator(self, fn: Callable[[], T]) -> T | None:
+        """:meth:`broadcast` for an ``fn`` whose value only the coordinator needs (a check): the
+        coordinator's value (None on the other ranks), or every rank raises ``fn``'s error, as
+        :meth:`broadcast` raises it. When ``fn`` succeeds, the ranks exchange one int
+        (:meth:`any`), not the pickled value."""
         value: Any = self._capture(fn) if self.is_coordinator else None
+        if self.distributed and not self.any(isinstance(value, Failed)):
+            return value
+        return self._from_coordinator(value)
+
+    def _from_coordinator(self, value: Any) -> Any:
+        """The coordinator's ``value`` (its ``fn``'s, or the :class:`Failed` record of it) on
+        every rank, or every rank raises the failure."""
         self._count("broadcast")
         if self.distributed:
             data = None

@@ -531,16 +531,15 @@ def _build_metadata(
     """The v3 document: the data files (as each rank reported its own, see :func:`_file_row`)
     and each tensor's chunks as the plan's run-length coded table of file indices, offsets and
     lengths."""
-    wrote = [r for r, f in enumerate(files) if f is not None]
-    if wrote != list(plan.file_ranks):
+    wrote = {r: f for r, f in enumerate(files) if f is not None}
+    if list(wrote) != list(plan.file_ranks):
         raise CheckpointError(
-            f"the plan has ranks {list(plan.file_ranks)} write a data file, but ranks {wrote} wrote one; nothing is committed"
+            f"the plan has ranks {list(plan.file_ranks)} write a data file, but ranks {list(wrote)} wrote one; nothing is committed"
         )
     # our own values: no validation (one model per rank)
     table = [
-        built(DataFile, {"name": data_file_name(rank, save_id), "size": f[0], "header_bytes": f[1], "header": f[2], "sums": f[3]})
-        for rank in plan.file_ranks
-        if (f := files[rank]) is not None
+        built(DataFile, {"name": data_file_name(rank, save_id), "size": size, "header_bytes": header_bytes, "header": header, "sums": sums})
+        for rank, (size, header_bytes, header, sums) in wrote.items()
     ]
     tensors = {
         key: TensorStorageMetadata.from_table(tp.shape, tp.dtype, tp.is_sharded, tp.table, table_json=tp.table_json)

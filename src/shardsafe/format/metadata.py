@@ -505,7 +505,7 @@ class StorageMetadata(BaseModel):
         tensors = {}
         for key, t in doc["tensors"].items():
             shape = tuple(t["shape"])
-            same = (shape, repr(t["table"]))
+            same = _layout_key(shape, t["table"])
             table = tables.get(same)
             if table is None:
                 table = tables[same] = ChunkTable.from_json(t["table"], shape=shape, nfiles=len(file_table), what=f"{where}: tensor {key!r}")
@@ -592,7 +592,7 @@ class StorageMetadata(BaseModel):
             _check_shape(where, key, t.shape, t.torch_dtype.itemsize)
             # the tensors of a model share a few layouts: a table is decoded and checked once per
             # (shape, table), and its arrays are shared (never written to)
-            same = (t.shape, json.dumps(t.table, separators=(",", ":")))
+            same = _layout_key(t.shape, t.table)
             table = checked.get(same)
             if table is None:
                 table = ChunkTable.from_json(t.table, shape=t.shape, nfiles=len(names), what=f"{where}: tensor {key!r}", max_count=budget)
@@ -713,6 +713,12 @@ class StorageMetadata(BaseModel):
                     )
 
         self._check_version_fields(where)
+
+
+def _layout_key(shape: tuple[int, ...], table: dict) -> tuple[tuple[int, ...], str]:
+    """Equal for tensors whose parsed chunk tables are equal and shapes too: a model's tensors
+    share a few layouts, and each is decoded (and checked) once per document."""
+    return shape, json.dumps(table, separators=(",", ":"))
 
 
 def _check_self_checksum(raw: bytes, doc: dict, where: str) -> None:

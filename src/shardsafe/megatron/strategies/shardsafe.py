@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from os import PathLike, fspath
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -72,7 +72,6 @@ from .base import (
 __all__ = ["COMMON_KEY", "ShardsafeLoadShardedStrategy", "ShardsafeSaveShardedStrategy", "read_metadata"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 COMMON_KEY = "megatron:common"
 """The value (in ``metadata.json``'s ``objects``) holding rank 0's common state."""
 FORMAT_VERSION = 1
@@ -372,7 +371,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
             if StrictHandling.requires_global_app_metadata(strict):
                 missing = comm.broadcast(lambda: coordinate(gathered))
             else:  # only the verdict travels (one all-reduce when the check passes)
-                _check_at_coordinator(comm, lambda: coordinate(gathered))
+                comm.check_at_coordinator(lambda: coordinate(gathered))
         unexpected = prepared["unexpected"]
         if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and (missing or unexpected):
             log.warning("%s", _mismatch_text(missing, {comm.global_rank: sorted(unexpected)} if unexpected else {}, str(checkpoint_dir)))
@@ -429,28 +428,6 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 + (f" (it holds {cells[:5]} of key {v.key!r}: was it saved with another global shape?)" if cells else "")
             )
         return decode_value(meta.objects[key], where=f"{checkpoint_dir}: ShardedObject {key!r}", allow_pickle=self.allow_pickle)
-
-
-def _check_at_coordinator(comm: Comm, fn: Callable[[], T]) -> T | None:
-    """``comm.broadcast(fn)`` for an ``fn`` whose value only the coordinator needs (a check):
-    the coordinator's value (None on the other ranks), or every rank raises ``fn``'s error, the
-    same errors; when ``fn`` succeeds, the ranks exchange one int (an all-reduce), not the
-    pickled value (two broadcasts)."""
-    error: Exception | None = None
-    value = None
-    if comm.is_coordinator:
-        try:
-            value = fn()
-        except Exception as e:  # noqa: BLE001 - broadcast to every rank below, as comm.broadcast sends it
-            error = e
-    if comm.any(error is not None):
-        comm.broadcast(lambda: _raise(error))
-    return value
-
-
-def _raise(error: Exception | None) -> None:
-    if error is not None:
-        raise error
 
 
 def _put_object(state: dict[str, Any], v: ShardedObject, allow_pickle: bool) -> None:
