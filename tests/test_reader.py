@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
 import torch
 
 from shardsafe import Checkpointer, ShardedTensor
 from shardsafe.adapters import describe_state
 from shardsafe.engine.reader import Reader
+from shardsafe.errors import CorruptCheckpointError
 from shardsafe.knobs import KNOBS
 from shardsafe.storage import open_storage
 
@@ -122,3 +124,38 @@ def test_reader_threads_from_local_storage_are_this_ranks_share_of_the_cpus(tmp_
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert reader_threads(local, dataclasses.replace(KNOBS, io_threads=1)) == 1
     assert reader_threads(open_storage("memory://threads"), knobs) == 64
+
+
+def test_in_place_reads_from_local_storage_check_each_step_as_it_is_read(tmp_path):
+    """From local storage an in-place read goes in steps of whole blocks near 1 MiB, each checked
+    right after its read (still in the cache); a damaged block is named by its number either way."""
+    full = torch.randn(3 << 18)  # 3 MiB, one chunk
+    block = 48 << 10  # 1 MiB is not a multiple: a step is the 21 whole blocks below it
+    simulate_save(str(tmp_path), [{"m": full.clone()}], knobs=dataclasses.replace(KNOBS, checksum_block_bytes=block))
+    meta = Checkpointer().get_metadata(str(tmp_path))
+    ((file, spec),) = list(meta.tensors["m"].chunks())
+    storage = open_storage(str(tmp_path))
+    reads: list[tuple[int, int]] = []
+    plain = storage.read_into
+
+    def counted(name, offset, buffers):
+        reads.append((offset - spec.byte_range[0], sum(memoryview(b).nbytes for b in buffers)))
+        plain(name, offset, buffers)
+
+    storage.read_into = counted
+    target = torch.empty_like(full)
+    (lt,), _ = describe_state({"m": target})
+    with Reader(storage, KNOBS, num_threads=1) as reader:
+        reader.load_tensor(meta.tensors["m"], lt)
+    assert torch.equal(target, full)
+    step = 21 * block
+    assert reads == [(0, step), (step, step), (2 * step, step), (3 * step, (3 << 20) - 3 * step)]
+
+    path = os.path.join(str(tmp_path), file)
+    with open(path, "r+b") as f:  # one byte of block 40, in the second step
+        f.seek(spec.byte_range[0] + 40 * block + 5)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in chunk .* bytes \[1966080, 2015232\) of the chunk \(block 40\)"):
+        Checkpointer().load(str(tmp_path), {"m": torch.empty_like(full)}, no_dist=True)
