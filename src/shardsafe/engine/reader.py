@@ -46,7 +46,7 @@ _WINDOW = 64  # tasks in flight in load_tensors (in-place reads need no memory; 
 # it from L3 or memory again. One rank alone, page cache to tensor, with XXH3: 0.14 ms per MiB in
 # 32 MiB steps, 0.10 in 1 MiB steps (reading alone: 0.07; hashing alone: 0.035).
 _HOT_BYTES = 1 << 20
-_DONE: Future = Future()  # marks the end of a target's reads in load_planned's queue
+_DONE: Future = Future()  # a finished future: the end of a target's reads in load_planned's queue, and a task run inline that succeeded
 _DONE.set_result(None)
 
 
@@ -145,18 +145,23 @@ class Reader:
         memory) before it is raised.
         """
         pairs = list(pairs)
-        self._read_headers(pairs)
-        self.load_planned(((self._plan(meta, target), target) for meta, target in pairs), done)
+        hits = [meta.overlapping([(off, lens) for off, lens, _ in target.pieces]) for meta, target in pairs]
+        self._read_headers(pairs, hits)
+        self.load_planned(((self._plan(meta, target, idx), target) for (meta, target), idx in zip(pairs, hits)), done)
 
-    def _read_headers(self, pairs: list[tuple[TensorStorageMetadata, LocalTensor]]) -> None:
-        """Format v3: read the headers of every file the targets need, on the pool, before
-        planning reads tensor by tensor (which would read them one at a time)."""
+    def _read_headers(self, pairs: list[tuple[TensorStorageMetadata, LocalTensor]], hits: list[list[int] | None]) -> None:
+        """Format v3: read the headers of every file the targets need (``hits``: each target's
+        overlapping chunks), on the pool, before planning reads tensor by tensor (which would
+        read them one at a time)."""
         needed: dict[int, str] = {}  # file index -> a key stored in it
         resolver = None
-        for meta, target in pairs:
-            for f in meta.files_overlapping((off, lens) for off, lens, _ in target.pieces):
-                needed.setdefault(f, meta._key)
-                resolver = meta._doc.resolver
+        for (meta, _), idx in zip(pairs, hits):
+            if idx is None:
+                continue
+            private = meta.__pydantic_private__  # not pydantic's __getattr__: every tensor of a load
+            for f in meta.files_overlapping((), indices=idx):
+                needed.setdefault(f, private["_key"])
+            resolver = private["_doc"].resolver
         if resolver is not None:
             resolver.prefetch(needed, self.threads)
 
@@ -198,8 +203,8 @@ class Reader:
             wait(futures)
             raise
 
-    def _plan(self, meta: TensorStorageMetadata, target: LocalTensor) -> list[ReadItem]:
-        items, covered = plan_reads(StoredIndex(meta, target.pieces), target.pieces)
+    def _plan(self, meta: TensorStorageMetadata, target: LocalTensor, indices: list[int] | None = None) -> list[ReadItem]:
+        items, covered = plan_reads(StoredIndex(meta, target.pieces, indices=indices), target.pieces)
         for (off, lens, flat), got in zip(target.pieces, covered):
             need = prod(lens) if flat is None else flat[1] - flat[0]
             if got != need:
@@ -212,12 +217,13 @@ class Reader:
     def _submit(self, task: Callable[[], None]) -> Future:
         if self.pool is not None:
             return self.pool.submit(task)
-        f: Future = Future()
         try:
-            f.set_result(task())
+            task()
         except BaseException as e:  # noqa: BLE001 - raised by _finish, in order
+            f: Future = Future()
             f.set_exception(e)
-        return f
+            return f
+        return _DONE
 
     @staticmethod
     def _finish(key: str, f: Future) -> None:

@@ -25,6 +25,7 @@ from ..errors import CorruptCheckpointError
 __all__ = ["ChunkTable", "decode_runs", "encode_runs"]
 
 _LIMIT = 1 << 62  # every value in a table is below this (as MAX_SIZE in metadata.py)
+_SMALL = 32  # up to this many chunks, overlap queries run in plain Python
 
 
 def encode_runs(values: Sequence[int] | np.ndarray) -> list[list[int]]:
@@ -80,13 +81,14 @@ class ChunkTable:
     ``offsets[i]`` and ``lengths[i]`` (its box), and ``flat[i]`` (``[start, stop)`` of the box
     flattened, or no ``flat`` when no chunk is flattened; a box chunk then has ``[0, numel)``)."""
 
-    __slots__ = ("files", "flat", "lengths", "offsets")
+    __slots__ = ("_boxes", "files", "flat", "lengths", "offsets")
 
     def __init__(self, files: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, flat: np.ndarray | None) -> None:
         self.files = files
         self.offsets = offsets
         self.lengths = lengths
         self.flat = flat
+        self._boxes: list[tuple[list[int], list[int]]] | None = None  # small tables: the boxes as lists
 
     def __len__(self) -> int:
         return len(self.files)
@@ -174,16 +176,26 @@ class ChunkTable:
                 flat = (lo, hi)
         return int(self.files[i]), off, lens, flat
 
-    def overlapping(self, off: Sequence[int], lens: Sequence[int]) -> np.ndarray:
-        """Indices of the chunks whose box overlaps the box ``off``/``lens``."""
-        if not len(self):
-            return np.empty(0, dtype=np.int64)
+    def overlapping(self, off: Sequence[int], lens: Sequence[int]) -> list[int]:
+        """Indices of the chunks whose box overlaps the box ``off``/``lens``, ascending."""
+        n = len(self)
+        if not n:
+            return []
         if not len(off):
-            return np.arange(len(self))
+            return list(range(n))
+        if n <= _SMALL:  # most tensors of a load: a few chunks, where numpy's per-call cost dominates
+            boxes = self._boxes
+            if boxes is None:
+                boxes = self._boxes = list(zip(self.offsets.tolist(), self.lengths.tolist()))
+            ends = [o + n for o, n in zip(off, lens)]
+            return [
+                i for i, (o, ln) in enumerate(boxes)
+                if all(c < e and c + m > a for c, m, a, e in zip(o, ln, off, ends))
+            ]
         a = np.asarray(off, dtype=np.int64)
         b = a + np.asarray(lens, dtype=np.int64)
         hit = ((self.offsets < b) & (self.offsets + self.lengths > a)).all(axis=1)
-        return np.flatnonzero(hit)
+        return np.flatnonzero(hit).tolist()
 
     def grid_cells(self, shape: tuple[int, ...]) -> bool:
         """True when the chunks are whole boxes that are exactly the cells of a grid over

@@ -264,27 +264,38 @@ class TensorStorageMetadata(BaseModel):
             return len(self._table)
         return sum(len(specs) for specs in (self.shard_spec_per_file or {}).values())
 
-    def chunks_overlapping(self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> Iterator[tuple[str, TensorShardSpec]]:
-        """The chunks whose box overlaps any of ``boxes`` (``(offsets, lengths)``), and possibly
-        others: in format v3 only their files' headers are read."""
+    def overlapping(self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int] | None:
+        """Format v3: the table indices of the chunks whose box overlaps any of ``boxes``
+        (``(offsets, lengths)``), ascending; None for earlier formats (no table). No file is read."""
         table = self.__pydantic_private__["_table"]  # read so, private attributes skip pydantic's slow __getattr__ (every tensor of a load)
         if table is None:
+            return None
+        picked: list[int] = []
+        for off, lens in boxes:
+            picked.extend(table.overlapping(off, lens))
+        return picked if len(picked) < 2 else sorted(set(picked))
+
+    def chunks_overlapping(
+        self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]], *, indices: list[int] | None = None
+    ) -> Iterator[tuple[str, TensorShardSpec]]:
+        """The chunks whose box overlaps any of ``boxes`` (``(offsets, lengths)``), and possibly
+        others: in format v3 only their files' headers are read. ``indices``: what
+        :meth:`overlapping` gave for ``boxes``, if the caller has it."""
+        if self.__pydantic_private__["_table"] is None:
             yield from self.chunks()
             return
-        picked: set[int] = set()
-        for off, lens in boxes:
-            picked.update(table.overlapping(off, lens).tolist())
-        yield from self._resolved(sorted(picked))
+        yield from self._resolved(self.overlapping(boxes) if indices is None else indices)
 
-    def files_overlapping(self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> set[int]:
+    def files_overlapping(
+        self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]], *, indices: list[int] | None = None
+    ) -> set[int]:
         """Format v3: the indices (into ``file_table``) of the files holding a chunk that
-        overlaps any of ``boxes``; empty for earlier formats."""
-        if self._table is None:
+        overlaps any of ``boxes`` (or the chunks ``indices``); empty for earlier formats."""
+        table = self.__pydantic_private__["_table"]
+        if table is None:
             return set()
-        out: set[int] = set()
-        for off, lens in boxes:
-            out.update(self._table.files[self._table.overlapping(off, lens)].tolist())
-        return out
+        files = table.files
+        return {int(files[i]) for i in (self.overlapping(boxes) if indices is None else indices)}
 
     def _resolved(self, indices: Iterable[int]) -> Iterator[tuple[str, TensorShardSpec]]:
         private = self.__pydantic_private__

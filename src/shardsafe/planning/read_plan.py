@@ -41,14 +41,18 @@ class StoredIndex:
     decoded only for the chunks a read touches (:meth:`sums`).
     """
 
-    def __init__(self, meta: TensorStorageMetadata, targets: list[Piece] | None = None) -> None:
+    def __init__(self, meta: TensorStorageMetadata, targets: list[Piece] | None = None, *, indices: list[int] | None = None) -> None:
         """With ``targets``, the index may hold only the chunks that overlap their boxes (format
-        v3 then reads the headers of only the files that hold those)."""
+        v3 then reads the headers of only the files that hold those); ``indices``: those chunks'
+        table indices (:meth:`TensorStorageMetadata.overlapping`), if the caller has them."""
         self.meta = meta
         self.itemsize = meta.torch_dtype.itemsize
         self._sums: dict[int, ChunkSums] = {}
         segs = []
-        chunks = meta.chunks() if targets is None else meta.chunks_overlapping((off, lens) for off, lens, _ in targets)
+        if targets is None:
+            chunks = meta.chunks()
+        else:
+            chunks = meta.chunks_overlapping([(off, lens) for off, lens, _ in targets], indices=indices)
         for file, spec in chunks:
             if spec.flattened_range is None:  # a box is its own single segment
                 segs.append((spec.global_offset, spec.local_shape, file, spec.byte_range[0], spec))
