@@ -62,7 +62,7 @@ METHODS = ("shardsafe", "shardsafe-fp", "megatron", "megatron-fp")
 OPS = ("save", "load", "reshard")
 TARGETS = {"save": 1.3, "load": 2.0, "reshard": 2.0}
 BEGIN, END = "<!-- bench-megatron:begin -->", "<!-- bench-megatron:end -->"
-TP, DP = 2, 2
+TP = 2
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class Config:
     vocab: int
     reps: int
     methods: tuple[str, ...]
+    dp: int = 2  # data-parallel replicas: TP * dp ranks
 
 
 # ---------------------------------------------------------------- the model's tensors
@@ -174,7 +175,7 @@ class Methods:
 
         self.tp, self.dp = rank % TP, rank // TP
         # every rank creates every group, in the same order
-        self.dp_group = [dist.new_group([t + TP * d for d in range(DP)]) for t in range(TP)][self.tp]
+        self.dp_group = [dist.new_group([t + TP * d for d in range(world // TP)]) for t in range(TP)][self.tp]
         self.world_group = dist.group.WORLD
 
     def save(self, method: str, sd: dict, path: str) -> None:
@@ -269,7 +270,7 @@ def _run_rank(rank: int, world: int, port: int, cfg: Config) -> list[dict]:
                 records[-1]["ok"] = matches(got, whole, cfg, tp, TP)
                 del target, got
 
-                target = sharded_state(mapping, cfg, whole, 0, 1, rank, empty=True)  # TP1 x DP4
+                target = sharded_state(mapping, cfg, whole, 0, 1, rank, empty=True)  # TP1 x DP(world)
                 got = timed("reshard", m, rep, lambda m=m, t=target, path=path: methods.load(m, t, path, methods.world_group))
                 records[-1]["ok"] = matches(got, whole, cfg, 0, 1)
                 del target, got
@@ -320,7 +321,7 @@ def ratio_lines(summary: dict[str, dict[str, dict]]) -> list[str]:
 
 def table(summary: dict[str, dict[str, dict]], cfg: Config, total_bytes: int) -> str:
     lines = [
-        "| operation | method | median s | spread s | GB/s (model) | vs shardsafe | bit-exact | CPU s (4 ranks) |",
+        f"| operation | method | median s | spread s | GB/s (model) | vs shardsafe | bit-exact | CPU s ({TP * cfg.dp} ranks) |",
         "|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for op in OPS:
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 8192, --quick 256)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions of every method (default 5, --quick 1)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of: " + ", ".join(METHODS))
+    ap.add_argument("--dp", type=int, default=2, help="data-parallel replicas (ranks: 2 x this; default 2, the 4-rank TP2 x DP2 case)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: a tiny model, one repetition")
     ap.add_argument("--dir", default="/tmp/shardsafe-bench-megatron", help="scratch directory for the checkpoints (emptied)")
     ap.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
@@ -367,17 +369,18 @@ def main(argv: list[str] | None = None) -> int:
         vocab=vocab,
         reps=args.reps or (1 if args.quick else 5),
         methods=methods,
+        dp=args.dp,
     )
     total = sum(4 * _numel(s) for s, _a in model_shapes(cfg).values())
     shutil.rmtree(cfg.root, ignore_errors=True)
     os.makedirs(cfg.root)
     try:
-        records = run_ranks_collect(_run_rank, TP * DP, cfg, timeout=1800, daemon=False, join_s=60)
+        records = run_ranks_collect(_run_rank, TP * cfg.dp, cfg, timeout=1800, daemon=False, join_s=60)
     finally:
         shutil.rmtree(cfg.root, ignore_errors=True)
     summary = summarize(records, methods)
     head = (
-        f"4 ranks, TP{TP} x DP{DP} -> reshard to TP1 x DP4; GPT-like: hidden {cfg.hidden}, {cfg.layers} layers, "
+        f"{TP * cfg.dp} ranks, TP{TP} x DP{cfg.dp} -> reshard to TP1 x DP{TP * cfg.dp}; GPT-like: hidden {cfg.hidden}, {cfg.layers} layers, "
         f"vocabulary {cfg.vocab}; model {total / 2**20:.1f} MiB fp32, {rank_bytes(cfg) / 2**20:.1f} MiB per rank; "
         f"median of {cfg.reps} interleaved repetitions, warm page cache\n\n"
     )

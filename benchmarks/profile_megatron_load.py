@@ -219,18 +219,19 @@ def main() -> int:
     ap.add_argument("--rank-mib", type=float, default=None, help="instead of --layers: about this many MiB per rank at TP2")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dp", type=int, default=2, help="data-parallel replicas (ranks: 2 x this)")
     ap.add_argument("--methods", default="shardsafe,megatron")
     ap.add_argument("--profile-dir", default="")
     ap.add_argument("--dir", default="/tmp/shardsafe-prof-megatron")
     a = ap.parse_args()
     layers = a.layers if a.rank_mib is None else bm.layers_for(a.rank_mib * 2**20, a.hidden, a.vocab)
-    cfg = bm.Config(root=a.dir, hidden=a.hidden, layers=layers, vocab=a.vocab, reps=a.reps, methods=tuple(a.methods.split(",")))
+    cfg = bm.Config(root=a.dir, hidden=a.hidden, layers=layers, vocab=a.vocab, reps=a.reps, methods=tuple(a.methods.split(",")), dp=a.dp)
     if a.profile_dir:
         os.makedirs(a.profile_dir, exist_ok=True)
     shutil.rmtree(cfg.root, ignore_errors=True)
     os.makedirs(cfg.root)
     try:
-        records = run_ranks_collect(_run_rank, bm.TP * bm.DP, {"cfg": cfg, "profile_dir": a.profile_dir}, timeout=1800, daemon=False)
+        records = run_ranks_collect(_run_rank, bm.TP * cfg.dp, {"cfg": cfg, "profile_dir": a.profile_dir}, timeout=1800, daemon=False)
     finally:
         shutil.rmtree(cfg.root, ignore_errors=True)
     print(f"hidden {cfg.hidden} layers {cfg.layers} vocab {cfg.vocab}: {bm.rank_bytes(cfg) / 2**20:.1f} MiB per rank (TP2), "

@@ -159,3 +159,32 @@ def test_in_place_reads_from_local_storage_check_each_step_as_it_is_read(tmp_pat
         f.write(bytes([b[0] ^ 0x10]))
     with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in chunk .* bytes \[1966080, 2015232\) of the chunk \(block 40\)"):
         Checkpointer().load(str(tmp_path), {"m": torch.empty_like(full)}, no_dist=True)
+
+
+@pytest.mark.parametrize(("rows", "cols", "block"), [(512, 1024, 1 << 20), (600, 1000, 48 << 10), (37, 9000, 16 << 10)])
+def test_strided_box_is_copied_out_step_by_step_and_exact(tmp_path, rows, cols, block):
+    """A strided box read through scratch goes to the target row by row as each step of about
+    1 MiB is checked; rows that straddle two steps, and steps that end inside a row, come out whole."""
+    full = torch.randn(rows, cols)
+    simulate_save(str(tmp_path), [{"m": full.clone()}], knobs=dataclasses.replace(KNOBS, checksum_block_bytes=block))
+    for part in range(3):  # Shard(1) of 3: a strided third of every stored row
+        target = torch.empty(rows, cols // 3)
+        _read(str(tmp_path), ShardedTensor.from_rank_offsets("m", target, (1, part, 3)))
+        width = cols // 3
+        assert torch.equal(target, full[:, part * width : (part + 1) * width])
+
+
+def test_strided_box_from_a_damaged_step_is_refused(tmp_path):
+    full = torch.randn(600, 1000)
+    block = 48 << 10
+    simulate_save(str(tmp_path), [{"m": full.clone()}], knobs=dataclasses.replace(KNOBS, checksum_block_bytes=block))
+    meta = Checkpointer().get_metadata(str(tmp_path))
+    ((file, spec),) = list(meta.tensors["m"].chunks())
+    with open(os.path.join(str(tmp_path), file), "r+b") as f:  # block 30: in the second step
+        f.seek(spec.byte_range[0] + 30 * block + 7)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    target = torch.empty(600, 500)
+    with pytest.raises(CorruptCheckpointError, match=r"bytes \[1474560, 1523712\) of the chunk \(block 30\)"):
+        _read(str(tmp_path), ShardedTensor.from_rank_offsets("m", target, (1, 1, 2)))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from math import prod
 
@@ -312,8 +312,15 @@ class Reader:
         return out
 
     def _read_checked(self, item: ReadItem, pos: int, view: memoryview) -> None:
-        """Read whole blocks from chunk offset ``pos`` into ``view`` and check them: from local
-        storage in steps of whole blocks near ``_HOT_BYTES``, each checked right after its read."""
+        """Read whole blocks from chunk offset ``pos`` into ``view`` and check them."""
+        for _ in self._steps(item, pos, view):
+            pass
+
+    def _steps(self, item: ReadItem, pos: int, view: memoryview) -> Iterator[int]:
+        """Read whole blocks from chunk offset ``pos`` into ``view``, checking them as they come:
+        from local storage in steps of whole blocks near ``_HOT_BYTES``, each checked right after
+        its read (while it is in the cache); from an object store in one request. Yields, after
+        each step, the chunk offset up to which ``view`` holds checked bytes."""
         bb = item.sums.block_bytes
         step = view.nbytes if self.hot is None or bb > self.hot else self.hot - self.hot % bb
         start = item.chunk_start + pos
@@ -321,6 +328,7 @@ class Reader:
             part = view[at : at + step]
             self.storage.read_into(item.file, start + at, [part])
             item.sums.check(pos + at, part)
+            yield pos + at + part.nbytes
         self._count(view.nbytes)
 
     def _via_scratch(
@@ -328,19 +336,33 @@ class Reader:
     ) -> None:
         """Read blocks ``[span_lo, span_hi)`` of the chunk into scratch, check them, and copy out
         bytes ``[lo, hi)``: to ``dst``'s bytes from ``dst_byte`` on, or (``dst_byte`` None) as the
-        item's box, which starts at ``lo``."""
+        item's box, which starts at ``lo``. Into CPU memory the box goes out row by row (along its
+        first dimension) as soon as a step has checked a row's bytes: a second pass over a large
+        scratch span would fetch it from memory again."""
         raw = self.scratch.get(span_hi - span_lo)
         buf = byte_view(raw)
-        self.storage.read_into(item.file, item.chunk_start + span_lo, [buf])
-        self._count(buf.nbytes)
-        item.sums.check(span_lo, buf)
         if dst_byte is not None:
+            self._read_checked(item, span_lo, buf)
             byte_view(dst)[dst_byte : dst_byte + hi - lo] = buf[lo - span_lo : hi - span_lo]
             return
         strides = row_major_strides(item.src_shape)
         src = raw[lo - span_lo :].view(dst.dtype).as_strided(item.lengths, strides)
+        if not item.lengths or dst.device.type != "cpu":  # one copy: a device copy per step costs more than it saves
+            self._read_checked(item, span_lo, buf)
+            with torch.no_grad():
+                dst.copy_(src)
+            return
+        itemsize = dst.dtype.itemsize
+        tail = sum((n - 1) * st for n, st in zip(item.lengths[1:], strides[1:])) + 1  # a row's elements, first to last
+        rows, done = item.lengths[0], 0
         with torch.no_grad():
-            dst.copy_(src)
+            for got in self._steps(item, span_lo, buf):
+                ready = max(0, min(rows, ((got - lo) // itemsize - tail) // strides[0] + 1))  # rows wholly checked
+                if ready > done:
+                    dst[done:ready].copy_(src[done:ready])
+                    done = ready
+        if done != rows:  # the span covers the box: unreachable unless the planning above is wrong
+            raise AssertionError(f"{item.chunk}: copied {done} of the box's {rows} rows")
 
     def _run_unverified(self, item: ReadItem, itemsize: int, dst: torch.Tensor) -> None:
         """Copy a part of a format-v1 chunk too large to read whole, or strided runs of bytes that
