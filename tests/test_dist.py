@@ -542,3 +542,36 @@ def test_run_ranks_tries_another_port_when_one_is_taken(monkeypatch):
     finally:
         taken.close()
     assert next(ports, None) is None  # both ports were used: the taken one, then another
+
+
+def _exchange_sizes(rank, ws, sizes):
+    """Every public collective with payloads of ``sizes[rank]`` bytes (bytes that differ by rank)."""
+    from shardsafe.dist import get_comm
+
+    def payload(r: int, n: int) -> bytes:
+        return bytes((r * 31 + i) % 251 for i in range(n))
+
+    out = {}
+    for n in sizes:  # the coordinator's payload of each size: the first broadcast whole, cut, or just fitting
+        comm = get_comm(call="test")
+        out[f"broadcast {n}"] = comm.broadcast(lambda n=n: payload(0, n)) == payload(0, n)
+    comm = get_comm(call="test")
+    got = comm.gather(lambda: payload(rank, sizes[rank]))
+    out["gather"] = got == [payload(r, sizes[r]) for r in range(ws)] if rank == 0 else got is None
+    comm = get_comm(call="test")
+    out["all_gather"] = comm.all_gather(lambda: payload(rank, sizes[rank])) == [payload(r, sizes[r]) for r in range(ws)]
+    return out
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_payloads_of_any_size_cross_every_collective_whole(tmp_path, ws):
+    """Gathers pad to the largest payload (found with one all-reduce) and frame each with its
+    length; a broadcast sends its first 16 KiB in one operation and the rest in a second."""
+    from shardsafe.dist import _FIRST, _LEN
+
+    head = _FIRST - _LEN - 40  # pickled bytes carry a few bytes of framing of their own
+    sizes = [0, head, 3 * _FIRST + 5, 7][:ws]
+    results = run_ranks(ws, _exchange_sizes, sizes, timeout=HANG)
+    for r, got in enumerate(results):
+        assert all(got.values()), (r, got)
+        assert len(got) == ws + 2
