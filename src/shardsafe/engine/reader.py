@@ -159,7 +159,7 @@ class Reader:
             if idx is None:
                 continue
             private = meta.__pydantic_private__  # not pydantic's __getattr__: every tensor of a load
-            for f in meta.files_overlapping((), indices=idx):
+            for f in meta.files_of(idx):
                 needed.setdefault(f, private["_key"])
             resolver = private["_doc"].resolver
         if resolver is not None:

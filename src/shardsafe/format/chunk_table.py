@@ -187,7 +187,7 @@ class ChunkTable:
             boxes = self._boxes
             if boxes is None:
                 boxes = self._boxes = list(zip(self.offsets.tolist(), self.lengths.tolist()))
-            ends = [o + n for o, n in zip(off, lens)]
+            ends = [o + ln for o, ln in zip(off, lens)]
             return [
                 i for i, (o, ln) in enumerate(boxes)
                 if all(c < e and c + m > a for c, m, a, e in zip(o, ln, off, ends))

@@ -286,16 +286,11 @@ class TensorStorageMetadata(BaseModel):
             return
         yield from self._resolved(self.overlapping(boxes) if indices is None else indices)
 
-    def files_overlapping(
-        self, boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]], *, indices: list[int] | None = None
-    ) -> set[int]:
-        """Format v3: the indices (into ``file_table``) of the files holding a chunk that
-        overlaps any of ``boxes`` (or the chunks ``indices``); empty for earlier formats."""
-        table = self.__pydantic_private__["_table"]
-        if table is None:
-            return set()
-        files = table.files
-        return {int(files[i]) for i in (self.overlapping(boxes) if indices is None else indices)}
+    def files_of(self, indices: list[int]) -> set[int]:
+        """Format v3: the indices (into ``file_table``) of the files holding the chunks
+        ``indices`` (as :meth:`overlapping` gives them)."""
+        files = self.__pydantic_private__["_table"].files
+        return {int(files[i]) for i in indices}
 
     def _resolved(self, indices: Iterable[int]) -> Iterator[tuple[str, TensorShardSpec]]:
         private = self.__pydantic_private__
