@@ -39,6 +39,7 @@ __all__ = [
     "TensorStorageMetadata",
     "is_data_file_name",
     "keys_under",
+    "sealed_data_files",
 ]
 
 FORMAT_VERSION = 3
@@ -725,6 +726,28 @@ def _layout_key(shape: tuple[int, ...], table: dict) -> tuple[tuple[int, ...], s
     """Equal for tensors whose parsed chunk tables are equal and shapes too: a model's tensors
     share a few layouts, and each is decoded (and checked) once per document."""
     return shape, json.dumps(table, separators=(",", ":"))
+
+
+def sealed_data_files(raw: bytes, *, where: str) -> set[str]:
+    """The data files ``metadata.json`` (``raw``, named ``where`` in errors) names, once it is
+    known to be the document a save wrote: formats v2 and v3 check its own checksum
+    (``metadata_checksum``), one pass of XXH3 over its bytes, and read no tensor or chunk; format
+    v1, which has none, is validated whole. Raises ``CorruptCheckpointError`` naming what is wrong.
+    What a step manager counts as committed; loading it checks everything else."""
+    try:
+        doc = strict_json.loads(raw)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if type(version) is not int or version < 2 or version > FORMAT_VERSION:
+        return StorageMetadata.from_json(raw, where=where).data_files()  # v1, or the errors from_json words
+    _check_self_checksum(raw, doc, where)
+    table, files = doc.get("file_table"), doc.get("files")
+    if version >= 3 and isinstance(table, list) and all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in table):
+        return {f["name"] for f in table}
+    if version == 2 and isinstance(files, dict):
+        return set(files)
+    return StorageMetadata.from_json(raw, where=where).data_files()  # sealed but malformed: from_json says how
 
 
 def _check_self_checksum(raw: bytes, doc: dict, where: str) -> None:
