@@ -54,12 +54,15 @@ class FileIndex:
     """One v3 data file's entries: ``name -> (absolute begin, end, index of its first digest)``,
     and the digests of every block, checked against the metadata."""
 
-    __slots__ = ("digests", "entries", "name")
+    __slots__ = ("digests", "dtypes", "entries", "name")
 
-    def __init__(self, name: str, entries: dict[str, tuple[int, int, int]], digests: np.ndarray) -> None:
+    def __init__(
+        self, name: str, entries: dict[str, tuple[int, int, int]], digests: np.ndarray, dtypes: dict[str, Any] | None = None
+    ) -> None:
         self.name = name
         self.entries = entries
         self.digests = digests
+        self.dtypes = dtypes or {}  # entry -> the dtype its header gives (safetensors code)
 
     @classmethod
     def read(cls, storage: Storage, info: Any, *, block_bytes: int, algorithm: str) -> FileIndex:
@@ -85,6 +88,7 @@ class FileIndex:
         if start != info.header_bytes:
             raise CorruptCheckpointError(f"{where}: the header is {start} bytes, metadata.json says {info.header_bytes}")
         spans = []
+        dtypes: dict[str, Any] = {}
         for entry, spec in header.items():
             if entry == "__metadata__":
                 continue
@@ -92,6 +96,7 @@ class FileIndex:
             if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs) and 0 <= offs[0] <= offs[1]):
                 raise CorruptCheckpointError(f"{where}: entry {entry!r} has no valid data_offsets")
             spans.append((start + offs[0], start + offs[1], entry))
+            dtypes[entry] = spec.get("dtype")
         spans.sort()
         pos = start
         for begin, end, entry in spans:
@@ -120,14 +125,21 @@ class FileIndex:
                 f"{where}: checksum mismatch in {SUMS_ENTRY!r}: metadata.json says {info.sums}, its bytes hash to {got}; "
                 "the file is damaged"
             )
-        return cls(name, entries, np.frombuffer(bytes(raw), dtype="<u8" if size == 8 else "<u4"))
+        return cls(name, entries, np.frombuffer(bytes(raw), dtype="<u8" if size == 8 else "<u4"), dtypes)
 
-    def locate(self, entry: str, nbytes: int, *, key: str) -> tuple[int, int, int]:
-        """``(begin, end, first digest)`` of ``entry``, which must hold ``nbytes`` bytes."""
+    def locate(self, entry: str, nbytes: int, *, key: str, dtype: str) -> tuple[int, int, int]:
+        """``(begin, end, first digest)`` of ``entry``, which must hold ``nbytes`` bytes of
+        ``dtype`` (its safetensors code, as the metadata gives it): every read path finds its
+        chunks here, so none returns bytes that the header says are of another dtype."""
         got = self.entries.get(entry)
         if got is None:
             raise CorruptCheckpointError(
                 f"{self.name}: tensor {key!r}: metadata.json places a chunk in this file, but it has no entry {entry!r}"
+            )
+        if self.dtypes.get(entry) != dtype:
+            raise CorruptCheckpointError(
+                f"{self.name}: tensor {key!r}: entry {entry!r} holds dtype {str(self.dtypes.get(entry))[:20]} by the file's "
+                f"header, metadata.json says {dtype}; the metadata or the file is damaged, or they are not of one checkpoint"
             )
         if got[1] - got[0] != nbytes:
             raise CorruptCheckpointError(
