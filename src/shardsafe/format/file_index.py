@@ -136,14 +136,14 @@ class FileIndex:
             raise CorruptCheckpointError(
                 f"{self.name}: tensor {key!r}: metadata.json places a chunk in this file, but it has no entry {entry!r}"
             )
+        if got[1] - got[0] != nbytes:
+            raise CorruptCheckpointError(
+                f"{self.name}: tensor {key!r}: entry {entry!r} holds {got[1] - got[0]} bytes, the chunk needs {nbytes}"
+            )
         if self.dtypes.get(entry) != dtype:
             raise CorruptCheckpointError(
                 f"{self.name}: tensor {key!r}: entry {entry!r} holds dtype {str(self.dtypes.get(entry))[:20]} by the file's "
                 f"header, metadata.json says {dtype}; the metadata or the file is damaged, or they are not of one checkpoint"
-            )
-        if got[1] - got[0] != nbytes:
-            raise CorruptCheckpointError(
-                f"{self.name}: tensor {key!r}: entry {entry!r} holds {got[1] - got[0]} bytes, the chunk needs {nbytes}"
             )
         return got
 
