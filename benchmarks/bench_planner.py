@@ -101,9 +101,9 @@ from math import prod
 from shardsafe._gc import paused_gc
 from shardsafe.engine.writer import _build_metadata, _file_row
 from shardsafe.format.checksum import file_digest
+from shardsafe.format.geometry import Piece, chunk_bounds
 from shardsafe.format.metadata import StorageMetadata
 from shardsafe.knobs import KNOBS
-from shardsafe.planning.geometry import Piece, chunk_bounds
 from shardsafe.planning.read_plan import StoredIndex, plan_reads
 from shardsafe.planning.save_plan import SavePlan, TensorDesc, describe_rank, plan_global, plan_rank, plan_save
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import shardsafe
 from shardsafe import Checkpointer, CorruptCheckpointError, ShardedTensor, ShardingError
 from shardsafe.format.chunk_table import ChunkTable, decode_runs, encode_runs
-from shardsafe.planning.geometry import check_tiling
+from shardsafe.format.geometry import check_tiling
 
 from .simulate import simulate_save
 

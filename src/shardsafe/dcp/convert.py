@@ -25,9 +25,9 @@ from ..engine.objects import encode_tagged
 from ..engine.rewrite import Chunk, write_checkpoint
 from ..errors import CheckpointExistsError, CorruptCheckpointError, ShardingError
 from ..format.dtypes import dtype_name
+from ..format.geometry import check_tiling
 from ..format.metadata import StorageMetadata
 from ..knobs import KNOBS, Knobs
-from ..planning.geometry import check_tiling
 from ..storage import Location, open_storage
 from . import dcp_format
 

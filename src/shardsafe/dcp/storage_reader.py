@@ -8,7 +8,7 @@ checkpoint (written by ``Checkpointer``, ``save_model_and_optim_state`` or
 shardsafe checkpoints: every stored chunk is shown to DCP's planner as boxes. A box chunk is one
 DCP chunk; a flattened-range chunk (FSDP1 flat parameters, distributed optimizers) is the
 row-major slice of a box, which is exactly a few boxes (at most ``2 * ndim - 1``, see
-:func:`shardsafe.planning.geometry.flat_segments`), each contiguous in the file: each is one DCP
+:func:`shardsafe.format.geometry.flat_segments`), each contiguous in the file: each is one DCP
 chunk. Every read item DCP plans is then a box copy out of one of them, run by shardsafe's reader:
 in place into the target where it can, widened to whole checksum blocks, every block checked.
 Non-tensor values are shown under their own keys and, for containers stored whole under one key

@@ -52,10 +52,10 @@ from ..errors import CheckpointError, CheckpointExistsError, DtypeMismatchError,
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
 from ..format.chunk_table import ChunkTable
 from ..format.dtypes import SAFETENSORS_CODE, dtype_name
+from ..format.geometry import check_tiling
 from ..format.metadata import ChecksumConfig, DataFile, StorageMetadata
 from ..format.metadata import TensorStorageMetadata as OurTensorMetadata
 from ..knobs import KNOBS, Knobs
-from ..planning.geometry import check_tiling
 from ..planning.save_plan import data_file_name, file_layout
 from ..storage import Location
 from ..storage.base import DCP_METADATA

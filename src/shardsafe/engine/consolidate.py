@@ -45,10 +45,10 @@ from ..errors import (
 )
 from ..format.checksum import ChunkSums
 from ..format.dtypes import SAFETENSORS_CODE
+from ..format.geometry import row_major_strides
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, keys_under
 from ..format.safetensors_file import FileEntry, layout_file
 from ..knobs import KNOBS, Knobs
-from ..planning.geometry import row_major_strides
 from ..storage import Writer, open_storage
 from ..storage.base import check_local_path, check_name, url_scheme
 from ..storage.local import LocalStorage

@@ -31,9 +31,9 @@ import torch
 from ..adapters import LocalTensor
 from ..errors import CorruptCheckpointError
 from ..format.checksum import UNCHECKED
+from ..format.geometry import row_major_strides
 from ..format.metadata import TensorStorageMetadata
 from ..knobs import Knobs
-from ..planning.geometry import row_major_strides
 from ..planning.read_plan import ReadItem, StoredIndex, plan_reads
 from ..storage import Storage
 from .buffers import Scratch, byte_view, can_read_into

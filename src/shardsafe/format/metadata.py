@@ -27,6 +27,7 @@ from .checksum import ALGORITHMS, ChunkSums, file_digest
 from .chunk_table import ChunkTable
 from .dtypes import torch_dtype
 from .file_index import Resolver, entry_name
+from .geometry import check_tiling, flat_segments, row_major_strides
 
 __all__ = [
     "ChecksumConfig",
@@ -100,9 +101,7 @@ class TensorShardSpec(BaseModel):
 
     def get_flattened_offsets(self, full_shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
         """``[start, stop)`` ranges of the full tensor's row-major flattening this chunk covers."""
-        from ..planning.geometry import flat_segments
-
-        strides = _row_major_strides(full_shape)
+        strides = row_major_strides(full_shape)
         lo, hi = self.flattened_range if self.flattened_range is not None else (0, prod(self.local_shape))
         for rel, lengths, _ in flat_segments(self.local_shape, lo, hi):
             # a segment is a box spanning whole trailing dims after its first non-unit dim
@@ -139,13 +138,6 @@ def _brief(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
 
-
-def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return strides[::-1]
 
 
 def _box_rows(start, lengths, full_shape, strides) -> Iterator[tuple[int, int]]:
@@ -563,8 +555,6 @@ class StorageMetadata(BaseModel):
     def _check_v3(self, where: str) -> None:
         """Format v3: ``checksum`` and ``file_table``, no ``files``; each tensor a chunk table
         (decoded here) whose chunks tile it; file names valid and distinct."""
-        from ..planning.geometry import check_tiling
-
         for name in ("checksum", "file_table"):
             if getattr(self, name) is None:
                 raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: format_version 3 metadata lacks the {name!r} field")
@@ -660,8 +650,6 @@ class StorageMetadata(BaseModel):
         """Everything the schema cannot say: keys, sizes bounded by :data:`MAX_SIZE` (so that no
         size overflows or is allocated unchecked), byte ranges that match their chunks and do not
         share bytes within a file, data file names, and chunks that tile each tensor."""
-        from ..planning.geometry import check_tiling
-
         both = sorted((set(self.objects) | set(self.pickled_objects)) & set(self.tensors))
         both += sorted(set(self.objects) & set(self.pickled_objects))
         if both:
