@@ -18,12 +18,12 @@ from .adapters.nested import Targets, load_targets
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave, wait_for_location
 from .engine.bounds import check_files_hold
-from .engine.objects import decode_objects
 from .engine.reader import Reader
 from .engine.writer import async_save_state, save_state
 from .errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError
 from .foreign import missing_metadata_error
 from .format.metadata import METADATA_FILENAME, StorageMetadata, keys_under
+from .format.values import decode_objects
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
 

@@ -119,8 +119,8 @@ def _write(
     tensor, called once, when it is written) in one data file per list of keys in ``files``, and
     ``values``, as a checkpoint at ``dst``, committed last."""
     from .engine.commit import committed_version
-    from .engine.objects import encode_objects
     from .engine.rewrite import Chunk, write_checkpoint
+    from .format.values import encode_objects
     from .knobs import KNOBS
 
     started = time.monotonic()

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ..engine.objects import decode_objects
 from ..errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError, ShardingError
 from ..format.metadata import StorageMetadata
+from ..format.values import decode_objects
 from .modules import ParamInfo
 
 __all__ = [

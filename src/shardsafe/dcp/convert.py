@@ -21,12 +21,12 @@ import torch
 
 from .._args import check_bool
 from ..engine.commit import committed_version
-from ..engine.objects import encode_tagged
 from ..engine.rewrite import Chunk, write_checkpoint
 from ..errors import CheckpointExistsError, CorruptCheckpointError, ShardingError
 from ..format.dtypes import dtype_name
 from ..format.geometry import check_tiling
 from ..format.metadata import StorageMetadata
+from ..format.values import encode_tagged
 from ..knobs import KNOBS, Knobs
 from ..storage import Location, open_storage
 from . import dcp_format
@@ -124,8 +124,8 @@ def _lightning_meta_key(values: dict[str, Any], where: str) -> str:
 
 def _encode_lightning_meta(meta: dict[str, Any], url: str, allow_pickle: bool) -> Any:
     """Lightning's checkpoint dict as the JSON value ``shardsafe.lightning.read_meta`` decodes."""
+    from ..format.values import encode_value
     from ..lightning._checkpoint import _plain
-    from ..megatron._values import encode_value
 
     where = f"{url.rstrip('/')}/{dcp_format.LIGHTNING_META_FILE}"
     return encode_value(_plain(meta), where=where, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")

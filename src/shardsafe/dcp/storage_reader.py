@@ -47,7 +47,6 @@ from torch.futures import Future
 from .._args import check_bool
 from ..adapters import LocalTensor
 from ..engine.background import wait_for_location
-from ..engine.objects import decode_objects
 from ..engine.reader import Reader
 from ..errors import (
     CheckpointError,
@@ -59,6 +58,7 @@ from ..errors import (
 from ..foreign import missing_metadata_error
 from ..format.dtypes import dtype_name
 from ..format.metadata import METADATA_FILENAME, StorageMetadata
+from ..format.values import decode_objects
 from ..knobs import KNOBS, Knobs
 from ..planning.read_plan import ReadItem as OurReadItem
 from ..planning.read_plan import StoredIndex

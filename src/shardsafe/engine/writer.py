@@ -36,6 +36,7 @@ from ..dist import Comm, background_comm
 from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
 from ..format.metadata import METADATA_FILENAME, ChecksumConfig, DataFile, StorageMetadata, TensorStorageMetadata, built
+from ..format.values import encode_objects, merge_rank_objects
 from ..knobs import Knobs
 from ..planning.save_plan import (
     GlobalPlan,
@@ -53,7 +54,6 @@ from . import plan_cache
 from .background import AsyncSave, before_save, run_in_background
 from .buffers import WriteBehind
 from .commit import CommitUnknownError, committed_version, put_metadata, sweep
-from .objects import encode_objects, merge_rank_objects
 from .staging import RINGS, RingAborted, StagingRing, Unit, UnitQueue, aligned, live_units, stage, stage_pieces
 
 __all__ = ["async_save_state", "save_state"]

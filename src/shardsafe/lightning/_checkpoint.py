@@ -33,10 +33,10 @@ from ..checkpointer import Checkpointer
 from ..dist import get_comm
 from ..engine.bounds import check_files_hold
 from ..engine.consolidate import _Output
-from ..engine.objects import decode_objects
 from ..engine.reader import Reader
 from ..errors import CheckpointError, CorruptCheckpointError, MissingKeyError
 from ..format.metadata import StorageMetadata, keys_under
+from ..format.values import decode_objects
 from ..knobs import KNOBS, Knobs
 from ..storage import Location, Storage, open_storage
 from ..storage.base import DCP_METADATA
@@ -97,7 +97,7 @@ def save_checkpoint(
     """Save ``module``, its optimizer and ``meta`` (the rest of the checkpoint dict) at ``path``;
     every rank calls it together. A checkpoint already there is replaced (Lightning's own
     behaviour for ``last.ckpt`` and the like): the old one stays loadable until the new one commits."""
-    from ..megatron._values import encode_value
+    from ..format.values import encode_value
 
     optim = _one_optimizer(optimizers, str(path))
     if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
