@@ -26,12 +26,13 @@ from .adapters.optim import (
     optim_targets,
     split_state_key,
 )
-from .checkpointer import Checkpointer, _read_metadata
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
+from .engine.loader import load_state, read_metadata, unshard_state
+from .engine.writer import async_save_state, save_state
 from .errors import CheckpointError, MissingKeyError
 from .format.metadata import StorageMetadata
-from .knobs import Knobs
+from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
 
 if TYPE_CHECKING:
@@ -117,15 +118,16 @@ def _save_model_and_optim(
 ) -> Any:
     _check_model_args(func, model, optim, knobs)
     check_bool(func, "save_overwrite", save_overwrite)
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(dir)
     state = model_and_optim_values(model, optim)
     # an async save's ranks meet in the background (see async_save_state)
-    comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s, arrive=not background)
+    comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=knobs.collective_timeout_s, arrive=not background)
     bar = rank_progress(progress, func, comm.is_coordinator)
+    common = dict(save_overwrite=save_overwrite, allow_pickle=False, comm=comm, knobs=knobs, want_meta=False, progress=bar)
     if not background:
-        return ckpt._save(storage, state, save_overwrite, comm, want_meta=False, progress=bar)[1]  # only the files are returned
-    return ckpt._async_save(storage, state, save_overwrite, comm, result=lambda out: out[1], want_meta=False, progress=bar)
+        return save_state(storage, state, **common)[1]  # only the files are returned
+    return async_save_state(storage, state, result=lambda out: out[1], **common)
 
 
 def load_model_and_optim_state(
@@ -155,20 +157,20 @@ def load_model_and_optim_state(
     """
     _check_model_args("load_model_and_optim_state", model, optim, knobs)
     check_bool("load_model_and_optim_state", "validate", validate)
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(dir)
-    comm = get_comm(process_group=process_group, call="shardsafe.load_model_and_optim_state", timeout_s=ckpt.knobs.collective_timeout_s)
+    comm = get_comm(process_group=process_group, call="shardsafe.load_model_and_optim_state", timeout_s=knobs.collective_timeout_s)
     bar = rank_progress(progress, "load_model_and_optim_state", comm.is_coordinator)
-    _load_state(ckpt, storage, comm, model, optim, validate=validate, progress=bar)
+    load_model_and_more(storage, comm, model, optim, knobs=knobs, validate=validate, progress=bar)
 
 
-def _load_state(
-    ckpt: Checkpointer,
+def load_model_and_more(
     storage: Storage,
     comm: Comm,
     model: nn.Module | None,
     optim: torch.optim.Optimizer | None,
     *,
+    knobs: Knobs,
     validate: bool,
     more_targets: Callable[[StorageMetadata], dict[str, Any]] | None = None,
     more_apply: Callable[[dict[str, Any]], None] | None = None,
@@ -178,7 +180,7 @@ def _load_state(
     place and, in the same pass, the targets ``more_targets(metadata)`` returns; then hand the
     optimizer its state and call ``more_apply`` with every loaded value. Every rank of ``comm``
     calls it together; a failure on any rank (in the callbacks too) raises on every rank."""
-    meta = _read_metadata(storage, comm)
+    meta = read_metadata(storage, comm)
     params, buffers = model_state(model) if model is not None else ([], [])
     holder: dict[str, Any] = {}
 
@@ -196,7 +198,7 @@ def _load_state(
 
     comm.check(targets)
     state = holder["state"]
-    ckpt._load(storage, state, comm, meta, progress)  # the storage already opened: one client, not two
+    load_state(storage, state, comm, meta, allow_pickle=False, knobs=knobs, progress=progress)  # the storage already opened: one client, not two
 
     def apply() -> None:
         if optim is not None:
@@ -224,12 +226,15 @@ def _unshard_prefix(
     check_bool(func, "rank0_only", rank0_only)
     check_bool(func, "no_dist", no_dist)
     check_arg(func, "knobs", knobs, Knobs, optional=True)
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(dir)
-    comm = get_comm(no_dist, process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s)
+    comm = get_comm(no_dist, process_group, call=f"shardsafe.{func}", timeout_s=knobs.collective_timeout_s)
     bar = rank_progress(progress, func, comm.is_coordinator)
     try:
-        return ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix=prefix, progress=bar), comm
+        out = unshard_state(
+            storage, comm, allow_pickle=False, knobs=knobs, device=device, rank0_only=rank0_only, prefix=prefix, progress=bar
+        )
+        return out, comm
     except MissingKeyError as e:
         raise MissingKeyError(f"{storage.url}: {what}: {e}") from None  # the URL: ``dir`` may be a Storage
 

@@ -116,8 +116,8 @@ def unshard_to_safetensors(
     with ``max_shard_size`` ``files`` (data files written), ``values`` (JSON values written to ``__metadata__``), ``skipped_values``
     (pickled values left out).
     """
-    from ..checkpointer import _read_metadata  # the one metadata reader (incomplete-checkpoint errors)
     from ..dist import get_comm
+    from .loader import read_metadata  # the one metadata reader (incomplete-checkpoint errors)
 
     check_arg("unshard_to_safetensors", "out_path", out_path, (str, os.PathLike))
     check_arg("unshard_to_safetensors", "prefix", prefix, str, optional=True)
@@ -135,7 +135,7 @@ def unshard_to_safetensors(
     folder = _Folder(out, overwrite=overwrite) if max_shard_size is not None else None
     single = None if folder is not None else _Output(out, overwrite=overwrite, knobs=knobs)
     storage = open_storage(dir)
-    meta = _read_metadata(storage, get_comm(no_dist=True))
+    meta = read_metadata(storage, get_comm(no_dist=True))
     tensors, values, skipped = _select(meta, prefix, storage.url)
     check_files_hold(storage, tensors.values())  # before allocating from their sizes
     file_meta = {FORMAT_TAG[0]: FORMAT_TAG[1], **{k: json.dumps(v, separators=(",", ":")) for k, v in values.items()}}

@@ -28,12 +28,13 @@ from torch import nn
 
 from .._progress import progress_callback
 from ..adapters import describe_state
-from ..api import _load_state, model_and_optim_values
+from ..api import load_model_and_more, model_and_optim_values
 from ..checkpointer import Checkpointer
 from ..dist import get_comm
 from ..engine.bounds import check_files_hold
 from ..engine.consolidate import _Output
 from ..engine.reader import Reader
+from ..engine.writer import save_state
 from ..errors import CheckpointError, CorruptCheckpointError, MissingKeyError
 from ..format.metadata import StorageMetadata, keys_under
 from ..format.values import decode_objects
@@ -102,12 +103,12 @@ def save_checkpoint(
     optim = _one_optimizer(optimizers, str(path))
     if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
         os.unlink(path)  # a single-file checkpoint of an earlier run there (Lightning's own strategy does the same)
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(path)
     state = model_and_optim_values(module, optim)
     state[META_KEY] = encode_value(_plain(meta), where=f"{storage.url}: the checkpoint's {META_KEY!r}", allow_pickle=allow_pickle, opt_in=_OPT_IN)
-    comm = get_comm(process_group=process_group, call="shardsafe.lightning.save_checkpoint", timeout_s=ckpt.knobs.collective_timeout_s)
-    ckpt._save(storage, state, True, comm)
+    comm = get_comm(process_group=process_group, call="shardsafe.lightning.save_checkpoint", timeout_s=knobs.collective_timeout_s)
+    save_state(storage, state, save_overwrite=True, allow_pickle=False, comm=comm, knobs=knobs, want_meta=False)
 
 
 def load_checkpoint(
@@ -124,16 +125,16 @@ def load_checkpoint(
     world size, any sharding) and return the rest of the checkpoint dict; every rank calls it
     together. ``strict``: refuse parameters the checkpoint holds and the module lacks."""
     optim = _one_optimizer(optimizers, str(path))
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(path)
-    comm = get_comm(process_group=process_group, call="shardsafe.lightning.load_checkpoint", timeout_s=ckpt.knobs.collective_timeout_s)
+    comm = get_comm(process_group=process_group, call="shardsafe.lightning.load_checkpoint", timeout_s=knobs.collective_timeout_s)
     out: dict[str, Any] = {}
 
     def meta_target(meta: StorageMetadata) -> dict[str, Any]:  # every rank, inside the load's first check
         out.update(_decode_meta(meta, storage.url, allow_pickle))
         return {}
 
-    _load_state(ckpt, storage, comm, module, optim, validate=strict, more_targets=meta_target)
+    load_model_and_more(storage, comm, module, optim, knobs=knobs, validate=strict, more_targets=meta_target)
     return out
 
 

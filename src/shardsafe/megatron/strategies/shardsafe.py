@@ -34,9 +34,10 @@ import torch
 import xxhash
 
 from ... import adapters
-from ...checkpointer import Checkpointer, _read_metadata
+from ...checkpointer import Checkpointer
 from ...dist import Comm, get_comm
 from ...engine.background import AsyncSave
+from ...engine.loader import read_metadata as read_committed
 from ...errors import ForeignCheckpointError, IncompleteCheckpointError
 from ...format.metadata import METADATA_FILENAME, StorageMetadata
 from ...knobs import Knobs
@@ -487,7 +488,7 @@ def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool, comm: Comm | Non
     only collective); without it the ranks check in as ``Checkpointer.get_metadata`` does."""
     try:
         if comm is not None and not no_dist:
-            return _read_metadata(open_storage(location(checkpoint_dir)), comm)
+            return read_committed(open_storage(location(checkpoint_dir)), comm)
         return Checkpointer().get_metadata(location(checkpoint_dir), no_dist=no_dist)
     except ForeignCheckpointError as e:
         config = maybe_load_config(str(checkpoint_dir))
