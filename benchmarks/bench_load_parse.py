@@ -45,6 +45,7 @@ def run(path: str) -> None:
     from bench_planner import fsdp_targets
 
     from shardsafe._gc import paused_gc
+    from shardsafe.engine.file_index import bind_files
     from shardsafe.format.metadata import StorageMetadata
     from shardsafe.planning.read_plan import StoredIndex, plan_reads
 
@@ -63,7 +64,7 @@ def run(path: str) -> None:
     for rep in range(3):
         t0 = time.perf_counter()
         with paused_gc():  # as Checkpointer's metadata read does
-            meta = StorageMetadata.from_json(raw, where="metadata.json").bind(Headers())
+            meta = bind_files(StorageMetadata.from_json(raw, where="metadata.json"), Headers())
         t1 = time.perf_counter()
         targets = fsdp_targets(meta, ranks // 2, ranks // 4)
         t2 = time.perf_counter()

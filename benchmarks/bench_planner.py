@@ -99,6 +99,7 @@ from functools import partial
 from math import prod
 
 from shardsafe._gc import paused_gc
+from shardsafe.engine.file_index import bind_files
 from shardsafe.engine.writer import _build_metadata, _file_row
 from shardsafe.format.checksum import file_digest
 from shardsafe.format.geometry import Piece, chunk_bounds
@@ -361,7 +362,7 @@ def measure_ours(
     targets = fsdp_targets(parsed, target_world, rank)
 
     def indexes():
-        parsed.bind(headers)
+        bind_files(parsed, headers)
         return {key: StoredIndex(t, targets[key]) for key, t in parsed.tensors.items()}
 
     idx, dt_idx = timed(indexes, prof)

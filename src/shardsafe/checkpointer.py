@@ -11,6 +11,7 @@ from ._args import check_arg, check_bool
 from ._progress import rank_progress
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
+from .engine.file_index import bind_files
 from .engine.loader import load_state, read_metadata, unshard_state
 from .engine.writer import async_save_state, save_state
 from .format.metadata import METADATA_FILENAME, StorageMetadata
@@ -150,7 +151,7 @@ class Checkpointer:
         bar = rank_progress(progress, "load", comm.is_coordinator)
         meta = metadata if metadata is not None else read_metadata(storage, comm)
         if meta.resolver is None or meta.resolver.storage.url != storage.url:  # given by the caller: read this location's files
-            meta.bind(storage)
+            bind_files(meta, storage)
         load_state(storage, state_dict, comm, meta, allow_pickle=self.allow_pickle, knobs=self.knobs, progress=bar)
 
     def unshard(

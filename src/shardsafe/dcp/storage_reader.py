@@ -47,6 +47,7 @@ from torch.futures import Future
 from .._args import check_bool
 from ..adapters import LocalTensor
 from ..engine.background import wait_for_location
+from ..engine.file_index import bind_files
 from ..engine.reader import Reader
 from ..errors import (
     CheckpointError,
@@ -111,7 +112,7 @@ class StorageReader(Located, _DcpStorageReader):
         except FileNotFoundError:
             raw = None
         if raw is not None:
-            meta = StorageMetadata.from_json(raw, where=f"{storage.url.rstrip('/')}/{METADATA_FILENAME}").bind(storage)
+            meta = bind_files(StorageMetadata.from_json(raw, where=f"{storage.url.rstrip('/')}/{METADATA_FILENAME}"), storage)
             self._ours = _OurCheckpoint(meta)
             return self._ours.dcp_metadata(storage.url, self.load_id)
         try:

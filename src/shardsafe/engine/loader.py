@@ -29,6 +29,7 @@ from ..knobs import Knobs
 from ..storage import Storage
 from .background import wait_for_location
 from .bounds import check_files_hold
+from .file_index import bind_files
 from .reader import Reader
 
 __all__ = ["StoredValues", "check_targets", "load_state", "read_metadata", "unshard_state"]
@@ -53,7 +54,7 @@ def read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
 
     raw = comm.broadcast(read)
     with paused_gc():
-        return StorageMetadata.from_json(raw, where=where).bind(storage)
+        return bind_files(StorageMetadata.from_json(raw, where=where), storage)
 
 
 class StoredValues:

@@ -54,6 +54,7 @@ from . import plan_cache
 from .background import AsyncSave, before_save, run_in_background
 from .buffers import WriteBehind
 from .commit import CommitUnknownError, committed_version, put_metadata, sweep
+from .file_index import bind_files
 from .staging import RINGS, RingAborted, StagingRing, Unit, UnitQueue, aligned, live_units, stage, stage_pieces
 
 __all__ = ["async_save_state", "save_state"]
@@ -408,9 +409,9 @@ def _finish(
             ) from e
     meta = state.get("meta")
     if meta is None and want_meta:
-        meta = StorageMetadata.from_own_json(raw, where=f"{storage.url}/{METADATA_FILENAME}").bind(storage)
+        meta = bind_files(StorageMetadata.from_own_json(raw, where=f"{storage.url}/{METADATA_FILENAME}"), storage)
     elif meta is not None:
-        meta.bind(storage)
+        bind_files(meta, storage)
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
     return meta, files
 

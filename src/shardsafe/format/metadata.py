@@ -26,7 +26,7 @@ from . import strict_json
 from .checksum import ALGORITHMS, ChunkSums, file_digest
 from .chunk_table import ChunkTable
 from .dtypes import torch_dtype
-from .file_index import Resolver, entry_name
+from .file_index import FileSource, entry_name
 from .geometry import check_tiling, flat_segments, row_major_strides
 
 __all__ = [
@@ -397,7 +397,7 @@ class StorageMetadata(BaseModel):
     pickled_objects: dict[str, str] = {}
     """Non-tensor values that needed pickle (base64), present only if the saver opted in."""
 
-    _resolver: Resolver | None = PrivateAttr(default=None)
+    _resolver: FileSource | None = PrivateAttr(default=None)
     _file_numbers: dict[str, int] | None = PrivateAttr(default=None)
 
     def __eq__(self, other: object) -> bool:  # the fields: not whether, or where, it is bound
@@ -411,26 +411,26 @@ class StorageMetadata(BaseModel):
             t._doc = self
             t._key = key
 
-    def bind(self, storage: Any) -> StorageMetadata:
-        """Format v3: read chunk locations and checksums from the data files of ``storage``
-        (the checkpoint this metadata came from), as they are needed. Returns ``self``.
-        :meth:`shardsafe.Checkpointer.get_metadata` returns bound metadata."""
-        if self.file_table is not None:
-            self._resolver = Resolver(storage, self)
+    def attach_files(self, files: FileSource) -> StorageMetadata:
+        """Format v3: where chunk locations and checksums are read from, as they are needed (the
+        engine attaches its reader of the checkpoint's data files,
+        :func:`shardsafe.engine.file_index.bind_files`; :meth:`shardsafe.Checkpointer.get_metadata`
+        returns metadata bound so). Returns ``self``."""
+        self._resolver = files
         return self
 
     @property
-    def resolver(self) -> Resolver | None:
+    def resolver(self) -> Any:
         """Format v3, once bound: the reader of the data files' headers."""
         return self._resolver
 
-    def _bound(self, key: str) -> Resolver:
+    def _bound(self, key: str) -> FileSource:
         resolver = self.__pydantic_private__["_resolver"]
         if resolver is None:
             raise CorruptCheckpointError(
                 f"tensor {key!r}: format v3 metadata keeps the chunks' byte ranges and checksums in the data files' headers; "
-                "this StorageMetadata is not bound to its checkpoint (call meta.bind(storage), or use "
-                "Checkpointer.get_metadata, which does)"
+                "this StorageMetadata is not bound to its checkpoint (call shardsafe.engine.file_index.bind_files(meta, storage), "
+                "or use Checkpointer.get_metadata, which does)"
             )
         return resolver
 

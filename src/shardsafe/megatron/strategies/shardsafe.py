@@ -37,6 +37,7 @@ from ... import adapters
 from ...checkpointer import Checkpointer
 from ...dist import Comm, get_comm
 from ...engine.background import AsyncSave
+from ...engine.file_index import bind_files
 from ...engine.loader import read_metadata as read_committed
 from ...errors import ForeignCheckpointError, IncompleteCheckpointError
 from ...format.metadata import METADATA_FILENAME, StorageMetadata
@@ -300,7 +301,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 raw, version = storage.read_versioned(METADATA_FILENAME)
             except FileNotFoundError:
                 raise NotADistributedCheckpointError(f"{checkpoint_dir} is not a distributed checkpoint: it has no {METADATA_FILENAME}") from None
-            meta = StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}").bind(storage)
+            meta = bind_files(StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}"), storage)
             gone = [k for k in meta.tensors if k.startswith(key_prefix)]
             if not gone:
                 log.warning("%s: no tensor key starts with %r; nothing removed", checkpoint_dir, key_prefix)
