@@ -16,6 +16,7 @@ from torch import nn
 
 from ._args import check_arg, check_bool
 from ._progress import Progress, rank_progress
+from .adapters.keys import MODEL_PREFIX, OPTIM_PREFIX
 from .adapters.modules import ParamInfo, model_state
 from .adapters.optim import (
     GROUPS_KEY,
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["async_save_model_and_optim_state", "load_model_and_optim_state", "save_model_and_optim_state", "unshard_model_state", "unshard_optim_state"]
 
-MODEL_PREFIX = "model."
 
 
 def _model_values(params: list[ParamInfo], buffers: list[ParamInfo]) -> dict[str, Any]:
@@ -187,7 +187,7 @@ def load_model_and_more(
     def targets() -> None:
         state: dict[str, Any] = {}
         if model is not None:
-            _check_model_keys(meta.tensors, [i.fqn for i in [*params, *buffers]], storage.url, strict=validate)
+            check_model_keys(meta.tensors, [i.fqn for i in [*params, *buffers]], storage.url, strict=validate)
             state = _model_values(params, buffers)
         if optim is not None:
             opt_targets, holder["apply"] = optim_targets(optim, params, meta, storage.url, strict=validate)
@@ -244,7 +244,7 @@ def _where(dir: Location) -> str:
     return str(getattr(dir, "url", dir))
 
 
-def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool, flag: str = "validate") -> None:
+def check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool, flag: str = "validate") -> None:
     stored_model = {k[len(MODEL_PREFIX) :] for k in stored if k.startswith(MODEL_PREFIX)}
     missing = [f for f in fqns if f not in stored_model]
     if missing:
@@ -312,7 +312,7 @@ def unshard_optim_state(
     """
     what = f"no optimizer state in the checkpoint (no {GROUPS_KEY!r})"
     flat, comm = _unshard_prefix(
-        "unshard_optim_state", dir, "optim.", what, device, rank0_only, no_dist, knobs, process_group, progress
+        "unshard_optim_state", dir, OPTIM_PREFIX, what, device, rank0_only, no_dist, knobs, process_group, progress
     )
     if not flat and rank0_only and comm.rank != 0:
         return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
@@ -323,7 +323,7 @@ def optim_state_of(flat: dict[str, Any], where: str) -> dict[str, Any]:
     """:func:`unshard_optim_state`'s result from the values stored under ``optim.`` (prefix
     removed, tensors first as the unshard gives them); the tensors may be any objects standing in
     for them (``shardsafe.lightning.consolidate`` passes placeholders). Consumes ``flat``."""
-    name = GROUPS_KEY[len("optim.") :]
+    name = GROUPS_KEY[len(OPTIM_PREFIX) :]
     groups = flat.pop(name, None)
     if groups is None:  # written by DCP (get_state_dict): param_groups.<i>.<field>
         dotted = {k: flat.pop(k) for k in [k for k in flat if k.startswith(name + ".")]}
@@ -334,8 +334,8 @@ def optim_state_of(flat: dict[str, Any], where: str) -> dict[str, Any]:
     fqns = {f for g in groups for f in g["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
-        if not key.startswith(STATE_PREFIX[len("optim.") :]):
+        if not key.startswith(STATE_PREFIX[len(OPTIM_PREFIX) :]):
             continue
-        fqn, name = split_state_key("optim." + key, fqns)
+        fqn, name = split_state_key(OPTIM_PREFIX + key, fqns)
         state.setdefault(fqn, {})[name] = value
     return {"state": state, "param_groups": groups}

@@ -240,7 +240,8 @@ def load_hf_safetensors(
     callable is called on every rank as ``progress(done, total)`` with the bytes of this rank's
     parameters and buffers filled so far.
     """
-    from .api import MODEL_PREFIX, _check_model_keys
+    from .adapters.keys import MODEL_PREFIX
+    from .api import check_model_keys
     from .engine.loader import check_targets
 
     check_arg("load_hf_safetensors", "model", model, nn.Module)
@@ -259,7 +260,7 @@ def load_hf_safetensors(
     def run() -> int:
         params, buffers = model_state(model)
         as_model = {MODEL_PREFIX + k[len(pre) :]: t for k, t in stored.items()}
-        _check_model_keys(as_model, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
+        check_model_keys(as_model, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
         values = {pre + i.fqn: i.sharded(pre + i.fqn, i.tensor) for i in [*params, *buffers] if not i.holds_nothing}
         tensors, _ = describe_state(values, targets=True)
         check_targets(_Tensors(stored), tensors, [], hf.where)

@@ -51,6 +51,7 @@ import math
 import pickle
 import sys
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -70,6 +71,7 @@ __all__ = [
     "has_tag",
     "is_json_value",
     "merge_rank_objects",
+    "plain_mappings",
 ]
 
 TAG = "__shardsafe__"
@@ -560,3 +562,16 @@ def merge_rank_objects(per_rank: list[tuple[dict[str, Any], dict[str, str]]]) ->
                 first_rank.setdefault(key, rank)
                 into[key] = v
     return merged
+
+
+def plain_mappings(value: Any) -> Any:
+    """``value`` with every ``Mapping`` that is not a dict or ``OrderedDict`` (Lightning's
+    ``AttributeDict`` of hyper-parameters, for one) turned into a plain dict, so that the codec
+    can store it."""
+    if isinstance(value, Mapping) and type(value) not in (dict, OrderedDict):
+        return {k: plain_mappings(v) for k, v in value.items()}
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, plain_mappings(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(plain_mappings(v) for v in value)
+    return value

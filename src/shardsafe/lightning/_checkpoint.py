@@ -28,6 +28,7 @@ from torch import nn
 
 from .._progress import progress_callback
 from ..adapters import describe_state
+from ..adapters.keys import LIGHTNING_META_KEY, MODEL_PREFIX, OPTIM_PREFIX
 from ..api import load_model_and_more, model_and_optim_values
 from ..checkpointer import Checkpointer
 from ..dist import get_comm
@@ -37,7 +38,7 @@ from ..engine.reader import Reader
 from ..engine.writer import save_state
 from ..errors import CheckpointError, CorruptCheckpointError, MissingKeyError
 from ..format.metadata import StorageMetadata, keys_under
-from ..format.values import decode_objects
+from ..format.values import decode_objects, plain_mappings
 from ..knobs import KNOBS, Knobs
 from ..storage import Location, Storage, open_storage
 from ..storage.base import DCP_METADATA
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["META_KEY", "is_lightning_dcp_folder", "is_shardsafe_checkpoint", "load_checkpoint", "read_meta", "save_checkpoint"]
 
-META_KEY = "lightning.meta"
+META_KEY = LIGHTNING_META_KEY
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's loop state beside a DCP checkpoint (torch.save'd)
 log = logging.getLogger(__name__)
 
@@ -63,17 +64,6 @@ def is_shardsafe_checkpoint(path: Location) -> bool:
 def is_lightning_dcp_folder(path: Location) -> bool:
     """True when ``path`` is a folder Lightning's sharded save wrote (DCP files and ``meta.pt``)."""
     return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, DCP_METADATA))
-
-
-def _plain(value: Any) -> Any:
-    """Dict subclasses Lightning uses (``AttributeDict`` for hyper-parameters) as plain dicts."""
-    if isinstance(value, Mapping) and type(value) not in (dict, OrderedDict):
-        return {k: _plain(v) for k, v in value.items()}
-    if type(value) in (dict, OrderedDict):
-        return type(value)((k, _plain(v)) for k, v in value.items())
-    if type(value) in (list, tuple):
-        return type(value)(_plain(v) for v in value)
-    return value
 
 
 def _one_optimizer(optimizers: list[torch.optim.Optimizer], where: str) -> torch.optim.Optimizer | None:
@@ -106,7 +96,7 @@ def save_checkpoint(
     knobs = knobs or KNOBS
     storage = open_storage(path)
     state = model_and_optim_values(module, optim)
-    state[META_KEY] = encode_value(_plain(meta), where=f"{storage.url}: the checkpoint's {META_KEY!r}", allow_pickle=allow_pickle, opt_in=_OPT_IN)
+    state[META_KEY] = encode_value(plain_mappings(meta), where=f"{storage.url}: the checkpoint's {META_KEY!r}", allow_pickle=allow_pickle, opt_in=_OPT_IN)
     comm = get_comm(process_group=process_group, call="shardsafe.lightning.save_checkpoint", timeout_s=knobs.collective_timeout_s)
     save_state(storage, state, save_overwrite=True, allow_pickle=False, comm=comm, knobs=knobs, want_meta=False)
 
@@ -258,7 +248,7 @@ def _lightning_structure(storage: Storage, meta: StorageMetadata, allow_pickle: 
     ``optimizer_states`` (``[`` :func:`shardsafe.unshard_optim_state` ``]``, when an optimizer
     was saved), in that order."""
     from ..adapters.optim import stored_param_groups
-    from ..api import MODEL_PREFIX, optim_state_of
+    from ..api import optim_state_of
 
     result = _decode_meta(meta, storage.url, allow_pickle) if META_KEY in meta.objects else {}
     result["state_dict"] = _lazy_values(storage, meta, MODEL_PREFIX, allow_pickle)
@@ -270,7 +260,7 @@ def _lightning_structure(storage: Storage, meta: StorageMetadata, allow_pickle: 
             "or shardsafe.save_model_and_optim_state?"
         )
     if stored_param_groups(meta, storage.url) is not None:
-        result["optimizer_states"] = [optim_state_of(_lazy_values(storage, meta, "optim.", allow_pickle), storage.url)]
+        result["optimizer_states"] = [optim_state_of(_lazy_values(storage, meta, OPTIM_PREFIX, allow_pickle), storage.url)]
     return result
 
 
