@@ -48,6 +48,7 @@ from .._args import check_bool
 from ..adapters import LocalTensor
 from ..engine.background import wait_for_location
 from ..engine.file_index import bind_files
+from ..engine.foreign import missing_metadata_error
 from ..engine.reader import Reader
 from ..errors import (
     CheckpointError,
@@ -56,7 +57,6 @@ from ..errors import (
     IncompleteCheckpointError,
     ShapeMismatchError,
 )
-from ..foreign import missing_metadata_error
 from ..format.dtypes import dtype_name
 from ..format.metadata import METADATA_FILENAME, StorageMetadata
 from ..format.values import decode_objects

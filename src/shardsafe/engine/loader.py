@@ -22,7 +22,6 @@ from ..adapters import LocalTensor, describe_state
 from ..adapters.nested import Targets, load_targets
 from ..dist import Comm
 from ..errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError
-from ..foreign import missing_metadata_error
 from ..format.metadata import METADATA_FILENAME, StorageMetadata, keys_under
 from ..format.values import decode_objects
 from ..knobs import Knobs
@@ -30,6 +29,7 @@ from ..storage import Storage
 from .background import wait_for_location
 from .bounds import check_files_hold
 from .file_index import bind_files
+from .foreign import missing_metadata_error
 from .reader import Reader
 
 __all__ = ["StoredValues", "check_targets", "load_state", "read_metadata", "unshard_state"]

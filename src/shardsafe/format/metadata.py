@@ -40,6 +40,7 @@ __all__ = [
     "TensorStorageMetadata",
     "is_data_file_name",
     "keys_under",
+    "megatron_advice",
 ]
 
 FORMAT_VERSION = 3
@@ -457,8 +458,6 @@ class StorageMetadata(BaseModel):
         except ValueError as e:
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
         if isinstance(doc, dict) and "format_version" not in doc and "sharded_backend" in doc:
-            from ..foreign import megatron_advice
-
             src = where[: -len(METADATA_FILENAME) - 1] if where.endswith("/" + METADATA_FILENAME) else where
             raise ForeignCheckpointError(
                 f"{where}: this is Megatron-Core's dist_checkpointing config (sharded_backend "
@@ -744,3 +743,11 @@ def _check_shape(where: str, key: str, shape: tuple[int, ...], itemsize: int) ->
             raise CorruptCheckpointError(
                 f"{where}: tensor {key!r} of shape {list(shape)} would hold 2**62 bytes or more; refusing it"
             )
+
+
+def megatron_advice(src: str) -> str:
+    """How a Megatron-Core ``torch_dist`` or ``zarr`` checkpoint at ``src`` converts or loads."""
+    return (
+        f"convert it with shardsafe.megatron.convert_megatron({src!r}, dst) or `shardsafe convert {src} DST --from megatron`, "
+        f"or load it as it is with shardsafe.megatron.load(sharded_state_dict, {src!r})"
+    )
