@@ -56,6 +56,8 @@ def run(path: str) -> None:
         """A file's header at offset 0; zeros for its checksum entry (as metadata_from_plan digests it)."""
 
         url = "bench://"
+        local_root = None
+        coalesce_gap_bytes = None
 
         def read_into(self, name: str, offset: int, buffers: list) -> None:
             (buf,) = buffers

@@ -229,6 +229,8 @@ class HeaderStore:
     plan) and its checksum entry (zeros, as :func:`metadata_from_plan` digests them)."""
 
     url = "bench://"
+    local_root = None
+    coalesce_gap_bytes = None
 
     def __init__(self, plan: SavePlan) -> None:
         self.files = {r.file: r for r in plan.ranks if r.file is not None}

@@ -437,7 +437,10 @@ class _Output:
 
     def publish(self) -> None:
         if self.store is None:
-            _publish(os.path.join(self.parent, self.name), self.where, overwrite=self.overwrite)
+            try:
+                LocalStorage(self.parent, knobs=self.knobs).publish(self.name, os.path.basename(self.where), overwrite=self.overwrite)
+            except FileExistsError:
+                raise CheckpointExistsError(f"{self.where}: file exists; pass overwrite=True to replace it") from None
 
     def discard(self) -> None:
         if self.store is None:
@@ -446,20 +449,3 @@ class _Output:
             except FileNotFoundError:
                 pass
 
-
-def _publish(tmp: str, out: str, *, overwrite: bool) -> None:
-    try:
-        if overwrite:
-            os.replace(tmp, out)
-        else:
-            os.link(tmp, out)  # fails if ``out`` appeared meanwhile: never clobber
-            os.unlink(tmp)
-        dfd = os.open(os.path.dirname(out), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except FileExistsError:
-        raise CheckpointExistsError(f"{out}: file exists; pass overwrite=True to replace it") from None
-    except OSError as e:
-        raise StorageError(f"{out}: cannot move the finished file into place: {e.strerror}") from e
