@@ -164,12 +164,12 @@ def test_a_staircase_of_a_million_chunks_is_validated_without_checking_them_one_
     # 10**6 chunks declared in a 0.7 KB metadata.json: a tiling is proved by the vectorized
     # box-by-box check; one that is not a tiling is refused, without a chunk-by-chunk check
     # (that took 49 s): the per-document bound of docs/format.md §8
-    import shardsafe.planning.geometry as geometry
+    import shardsafe.format.metadata as metadata
 
     def one_by_one(key, shape, pieces):
         raise AssertionError(f"check_tiling called with {len(pieces)} pieces")
 
-    monkeypatch.setattr(geometry, "check_tiling", one_by_one)
+    monkeypatch.setattr(metadata, "check_tiling", one_by_one)
     path = str(tmp_path / "ckpt")
     doc, _ = _save(path)
     n = 500_000

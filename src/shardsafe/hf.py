@@ -240,8 +240,9 @@ def load_hf_safetensors(
     callable is called on every rank as ``progress(done, total)`` with the bytes of this rank's
     parameters and buffers filled so far.
     """
-    from .api import MODEL_PREFIX, _check_model_keys
-    from .checkpointer import _check_targets
+    from .adapters.keys import MODEL_PREFIX
+    from .api import check_model_keys
+    from .engine.loader import check_targets
 
     check_arg("load_hf_safetensors", "model", model, nn.Module)
     check_arg("load_hf_safetensors", "prefix", prefix, str, optional=True)
@@ -259,10 +260,10 @@ def load_hf_safetensors(
     def run() -> int:
         params, buffers = model_state(model)
         as_model = {MODEL_PREFIX + k[len(pre) :]: t for k, t in stored.items()}
-        _check_model_keys(as_model, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
+        check_model_keys(as_model, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
         values = {pre + i.fqn: i.sharded(pre + i.fqn, i.tensor) for i in [*params, *buffers] if not i.holds_nothing}
         tensors, _ = describe_state(values, targets=True)
-        _check_targets(_Tensors(stored), tensors, [], hf.where)
+        check_targets(_Tensors(stored), tensors, [], hf.where)
         check_files_hold(hf.storage, ((t.key, stored[t.key]) for t in tensors))
         with Reader(hf.storage, knobs) as reader:
             reader.load_tensors(((stored[t.key], t) for t in tensors), targets_done(bar, tensors))
@@ -279,7 +280,7 @@ def load_hf_safetensors(
 
 
 class _Tensors:
-    """What :func:`_check_targets` reads of a checkpoint's metadata: its tensors."""
+    """What :func:`~shardsafe.engine.loader.check_targets` reads of a checkpoint's metadata: its tensors."""
 
     def __init__(self, tensors: dict[str, TensorStorageMetadata]) -> None:
         self.tensors = tensors

@@ -87,10 +87,10 @@ def verify_report(
         raise CheckpointError(f"verify: threads must be at least 1, got {threads}")
     started = time.monotonic()
     storage = open_storage(dir)
-    from .checkpointer import _read_metadata
     from .dist import get_comm
+    from .engine.loader import read_metadata
 
-    meta: StorageMetadata = _read_metadata(storage, get_comm(no_dist=True))
+    meta: StorageMetadata = read_metadata(storage, get_comm(no_dist=True))
     v3 = meta.file_table is not None
     by_file: dict[str, list] = {}
     infos: dict[str, Any] = dict(meta.files or {})

@@ -20,14 +20,15 @@ from typing import Any
 import torch
 
 from .._args import check_bool
+from ..adapters.keys import LIGHTNING_META_KEY
 from ..engine.commit import committed_version
-from ..engine.objects import encode_tagged
 from ..engine.rewrite import Chunk, write_checkpoint
 from ..errors import CheckpointExistsError, CorruptCheckpointError, ShardingError
 from ..format.dtypes import dtype_name
+from ..format.geometry import check_tiling
 from ..format.metadata import StorageMetadata
+from ..format.values import encode_tagged
 from ..knobs import KNOBS, Knobs
-from ..planning.geometry import check_tiling
 from ..storage import Location, open_storage
 from . import dcp_format
 
@@ -112,23 +113,20 @@ def convert(
 
 
 def _lightning_meta_key(values: dict[str, Any], where: str) -> str:
-    from ..lightning._checkpoint import META_KEY
-
-    if META_KEY in values:
+    if LIGHTNING_META_KEY in values:
         raise CorruptCheckpointError(
-            f"{where}: holds a value {META_KEY!r} and a Lightning {dcp_format.LIGHTNING_META_FILE} beside it, which would be "
+            f"{where}: holds a value {LIGHTNING_META_KEY!r} and a Lightning {dcp_format.LIGHTNING_META_FILE} beside it, which would be "
             f"stored under the same key; remove one of them before converting"
         )
-    return META_KEY
+    return LIGHTNING_META_KEY
 
 
 def _encode_lightning_meta(meta: dict[str, Any], url: str, allow_pickle: bool) -> Any:
     """Lightning's checkpoint dict as the JSON value ``shardsafe.lightning.read_meta`` decodes."""
-    from ..lightning._checkpoint import _plain
-    from ..megatron._values import encode_value
+    from ..format.values import encode_value, plain_mappings
 
     where = f"{url.rstrip('/')}/{dcp_format.LIGHTNING_META_FILE}"
-    return encode_value(_plain(meta), where=where, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")
+    return encode_value(plain_mappings(meta), where=where, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")
 
 
 def _progress(progress: bool | Callable[[int, int], None] | None, total: int, url: str) -> Callable[[int], None]:

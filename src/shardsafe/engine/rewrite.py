@@ -27,6 +27,7 @@ from ..planning.save_plan import data_file_name, file_layout
 from ..storage import Storage
 from .buffers import WriteBehind, byte_view
 from .commit import CommitUnknownError, put_metadata, sweep
+from .file_index import bind_files
 
 __all__ = ["Chunk", "write_checkpoint"]
 
@@ -128,4 +129,4 @@ def write_checkpoint(
                 log.warning("%s: removing a data file of a failed conversion failed: %s", out.url, e)
         raise
     sweep(out, listed, keep=meta.data_files())
-    return meta.bind(out)
+    return bind_files(meta, out)

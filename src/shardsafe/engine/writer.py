@@ -36,6 +36,7 @@ from ..dist import Comm, background_comm
 from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
 from ..format.metadata import METADATA_FILENAME, ChecksumConfig, DataFile, StorageMetadata, TensorStorageMetadata, built
+from ..format.values import encode_objects, merge_rank_objects
 from ..knobs import Knobs
 from ..planning.save_plan import (
     GlobalPlan,
@@ -53,7 +54,7 @@ from . import plan_cache
 from .background import AsyncSave, before_save, run_in_background
 from .buffers import WriteBehind
 from .commit import CommitUnknownError, committed_version, put_metadata, sweep
-from .objects import encode_objects, merge_rank_objects
+from .file_index import bind_files
 from .staging import RINGS, RingAborted, StagingRing, Unit, UnitQueue, aligned, live_units, stage, stage_pieces
 
 __all__ = ["async_save_state", "save_state"]
@@ -408,9 +409,9 @@ def _finish(
             ) from e
     meta = state.get("meta")
     if meta is None and want_meta:
-        meta = StorageMetadata.from_own_json(raw, where=f"{storage.url}/{METADATA_FILENAME}").bind(storage)
+        meta = bind_files(StorageMetadata.from_own_json(raw, where=f"{storage.url}/{METADATA_FILENAME}"), storage)
     elif meta is not None:
-        meta.bind(storage)
+        bind_files(meta, storage)
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
     return meta, files
 

@@ -32,9 +32,9 @@ from ..engine.commit import committed_version
 from ..engine.rewrite import Chunk, write_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, ShardingError
 from ..format.dtypes import dtype_name
+from ..format.geometry import check_tiling
 from ..format.metadata import StorageMetadata
 from ..knobs import KNOBS, Knobs
-from ..planning.geometry import check_tiling
 from ..storage import Location, Storage, open_storage
 from ._values import encode_value
 from .core import CONFIG_KEY, SHARDSAFE_BACKEND, CheckpointingConfig, CheckpointingException, maybe_load_config

@@ -36,8 +36,8 @@ from ..format.checksum import file_digest
 from ..format.chunk_table import ChunkTable
 from ..format.dtypes import SAFETENSORS_CODE, torch_dtype
 from ..format.file_index import SUMS_ENTRY, entry_name
+from ..format.geometry import Piece, Shape, check_tiling, chunk_bounds
 from ..format.safetensors_file import FileEntry, layout_file
-from .geometry import Piece, Shape, check_tiling, chunk_bounds
 
 __all__ = [
     "GlobalPlan", "RankAssignment", "RankDescription", "RankWritePlan", "SavePlan", "TensorDesc", "TensorPlan",
