@@ -250,22 +250,26 @@ def test_hand_made_damaged_and_half_deleted_steps_are_not_counted_and_never_kept
     shutil.copytree(real, half)
     data = [n for n in os.listdir(half) if n.endswith(".safetensors")]
     (half / data[0]).unlink()
+    foreign = tmp_path / "step_00000007"  # Megatron-Core's own metadata.json: another library's checkpoint
+    foreign.mkdir()
+    (foreign / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     with caplog.at_level(logging.WARNING, logger="shardsafe"):
         mgr = CheckpointManager(tmp_path, keep_last=2, async_save=False)
     assert mgr.all_steps() == [1, 2] and mgr.latest_step() == 2
     damaged = mgr.damaged_steps()
-    assert sorted(damaged) == [3, 4, 5]
+    assert sorted(damaged) == [3, 4, 5, 7]
     assert damaged[3] == f"{made}/metadata.json: invalid checkpoint metadata: format_version must be a positive integer, found None"
     assert damaged[4].startswith(f"{edited}/metadata.json: checksum mismatch: metadata_checksum says "), damaged[4]
     assert damaged[5] == f"{half}/metadata.json names data file(s) {data[0]}, which are missing"
+    assert damaged[7].startswith(f"{foreign}/metadata.json: this is Megatron-Core's dist_checkpointing config"), damaged[7]
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    for step in (3, 4, 5):
+    for step in (3, 4, 5, 7):
         assert (f"CheckpointManager: step {step} under {tmp_path} is not counted as committed: {damaged[step]} (left in "
                 f"place; a save of step {step} replaces it)") in warned, warned
     assert not mgr.should_save(2) and mgr.should_save(4) is False  # no interval: only counted steps are "taken"
     mgr.save(6, model, force=True)
     assert mgr.all_steps() == [2, 6]  # step 1 went, not step 2 in favour of 3, 4 or 5
-    assert sorted(os.listdir(tmp_path)) == [f"step_0000000{s}" for s in (2, 3, 4, 5, 6)]
+    assert sorted(os.listdir(tmp_path)) == [f"step_0000000{s}" for s in (2, 3, 4, 5, 6, 7)]
     mgr.close()
 
 

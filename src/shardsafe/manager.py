@@ -538,7 +538,7 @@ def _damage(step: Storage, files: set[str]) -> str | None:
         named = sealed_data_files(step.read(METADATA_FILENAME), where=where)
     except FileNotFoundError:
         return f"{METADATA_FILENAME} vanished while the manager listed the step"
-    except CorruptCheckpointError as e:
+    except (CheckpointError, OSError) as e:  # damaged, another library's (Megatron's own metadata.json), unreadable
         return _first_line(e)
     missing = sorted(named - files)
     if missing:
