@@ -214,7 +214,10 @@ def _first_data_byte(step_dir) -> None:
     """Flip the first byte of the first tensor's data in the step's (first) data file: its
     metadata.json still checks out, the damage is found when the bytes are read."""
     name = sorted(n for n in os.listdir(step_dir) if n.endswith(".safetensors"))[0]
-    path = os.path.join(step_dir, name)
+    _first_data_byte_of(os.path.join(step_dir, name))
+
+
+def _first_data_byte_of(path) -> None:
     with open(path, "r+b") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         f.seek(8 + n)
@@ -508,6 +511,32 @@ def test_fsdp2_resume_on_1_and_4_ranks_by_restore_alone(tmp_path) -> None:
 
 
 # --- distributed: signals -------------------------------------------------------------------------------
+
+
+def _sharded_steps_run(rank, ws, root, phase):
+    """Each rank's extra state is a row of its own, filled by step; ``phase`` "save" saves steps
+    1-3, "restore" restores the latest and returns the step, the row read and the steps."""
+    extra = {"row": _Holds(None)}
+    with CheckpointManager(root, async_save=False) as mgr:
+        if phase == "save":
+            for step in (1, 2, 3):
+                extra["row"].value = torch.full((4,), float(10 * step + rank))
+                mgr.save(step, extra=extra, force=True)
+            return None
+        got = mgr.restore(extra=extra)
+        return got, extra["row"].value.tolist(), mgr.all_steps(), sorted(mgr.damaged_steps())
+
+
+def test_two_ranks_fall_back_together_when_only_one_rank_reads_damage(tmp_path) -> None:
+    """Only rank 1's extra state of step 3 is damaged: rank 1 finds it, and both ranks restore
+    step 2 together (the failure reaches rank 0 as the same class), each its own row."""
+    run_ranks(2, _sharded_steps_run, str(tmp_path), "save")
+    step3 = tmp_path / "step_00000003"
+    files = sorted(n for n in os.listdir(step3) if n.endswith(".safetensors"))
+    assert len(files) == 2  # one per rank
+    _first_data_byte_of(step3 / files[1])
+    got = run_ranks(2, _sharded_steps_run, str(tmp_path), "restore")
+    assert got == [(2, [20.0] * 4, [1, 2], [3]), (2, [21.0] * 4, [1, 2], [3])]
 
 
 def _signal_run(rank, ws, root, sender):
