@@ -357,11 +357,17 @@ def _kill_trial(box: Sandbox, trial: str, sc: dict[str, Any], report: Report, ti
     if status in ("hang", "child-error"):
         report.add(status, f"{label} {pt}: {_errors(trial)}", path=label)
         return
-    for r in range(sc["world"]):
+    for r in range(sc["world"]):  # a rank that outlived its killed peer and raised: what, and from where?
         path = os.path.join(trial, f"error-r{r}.txt")
         if os.path.exists(path):
             with open(path) as f:
-                report.notes[f"survivor-raised:{f.readline().strip()}"] += 1
+                kind, _, tb = f.read().partition("\n")
+            frames = [line for line in tb.splitlines() if line.strip().startswith("File ")]
+            inside = any("/shardsafe/" in line for line in frames)
+            if inside and not kind.startswith("shardsafe."):
+                report.add(f"foreign-exception:{kind}", f"{label} rank {r}: {tb[-1500:]}", path=label)
+            where = "shardsafe" if inside else frames[-1].split(",")[0].strip() if frames else "?"
+            report.notes[f"survivor-raised:{kind} in {where}"] += 1
     done, flight = _committed(trial, sc["async"])
     ckpt = os.path.join(trial, "ckpt")
     detail = f"{label} n={pt and pt['n']} {status}: committed {done}, in flight {flight}"
