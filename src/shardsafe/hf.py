@@ -32,7 +32,7 @@ from .errors import CorruptCheckpointError, IncompleteCheckpointError, StorageEr
 from .format.checksum import ChunkSums
 from .format.dtypes import SAFETENSORS_CODE
 from .format.metadata import MAX_NDIM, MAX_SIZE, TensorShardSpec, TensorStorageMetadata
-from .format.safetensors_file import parse_header
+from .format.safetensors_file import MAX_HEADER, parse_header
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
 from .storage.base import url_scheme
@@ -44,7 +44,6 @@ __all__ = ["HFModel", "load_hf_safetensors", "open_hf_model"]
 
 log = logging.getLogger(__name__)
 
-_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 _BY_CODE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
 
 
@@ -164,8 +163,8 @@ def _read_header(storage: Storage, file: str, where: str) -> bytes:
         head = bytearray(8)
         storage.read_into(file, 0, [memoryview(head)])
         n = int.from_bytes(head, "little")
-        if n > _MAX_HEADER:
-            raise CorruptCheckpointError(f"{fwhere}: not a valid safetensors file: header length {n} exceeds the {_MAX_HEADER}-byte limit")
+        if n > MAX_HEADER:
+            raise CorruptCheckpointError(f"{fwhere}: not a valid safetensors file: header length {n} exceeds the {MAX_HEADER}-byte limit")
         raw = bytearray(8 + n)
         storage.read_into(file, 0, [memoryview(raw)])
     except FileNotFoundError:

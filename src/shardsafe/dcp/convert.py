@@ -11,8 +11,6 @@ interrupted conversion leaves no checkpoint at ``dst`` (and a committed one ther
 from __future__ import annotations
 
 import logging
-import sys
-import time
 from collections.abc import Callable
 from math import prod
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 import torch
 
 from .._args import check_bool
+from .._progress import conversion_progress
 from ..adapters.keys import LIGHTNING_META_KEY
 from ..engine.commit import committed_version
 from ..engine.rewrite import Chunk, write_checkpoint
@@ -102,7 +101,7 @@ def convert(
         meta = write_checkpoint(
             out, files, {key: (dtype, tuple(shape)) for key, (dtype, shape, _) in ckpt.tensors.items()}, load,
             objects=as_json, pickled=pickled, listed=listed, seen=seen, overwrite=overwrite, knobs=knobs,
-            report=_progress(progress, total, out.url), where=ckpt.where,
+            report=conversion_progress(progress, total, out.url), where=ckpt.where,
         )
     finally:
         source.close()
@@ -127,25 +126,3 @@ def _encode_lightning_meta(meta: dict[str, Any], url: str, allow_pickle: bool) -
 
     where = f"{url.rstrip('/')}/{dcp_format.LIGHTNING_META_FILE}"
     return encode_value(plain_mappings(meta), where=where, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")
-
-
-def _progress(progress: bool | Callable[[int, int], None] | None, total: int, url: str) -> Callable[[int], None]:
-    if callable(progress):
-        return lambda done: progress(done, total)
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return lambda done: None
-    state = {"last": 0.0}
-
-    def show(done: int) -> None:
-        now = time.monotonic()
-        if done < total and now - state["last"] < 0.5:
-            return
-        state["last"] = now
-        pct = 100.0 * done / total if total else 100.0
-        end = "\n" if done >= total else "\r"
-        print(f"converting to {url}: {done / 1e6:.1f} / {total / 1e6:.1f} MB ({pct:.0f}%)", end=end, file=sys.stderr, flush=True)
-
-    return show
-

@@ -19,13 +19,11 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from .checksum import ALGORITHMS, file_digest
-from .safetensors_file import parse_header
+from .safetensors_file import MAX_HEADER, parse_header
 
 __all__ = ["MAX_HEADER", "SUMS_ENTRY", "FileIndex", "FileSource", "entry_name"]
 
 SUMS_ENTRY = "__shardsafe_checksums__"
-MAX_HEADER = 100_000_000
-"""safetensors' own limit on a file's JSON header."""
 _RESERVED = ("__metadata__", SUMS_ENTRY)
 
 
