@@ -15,7 +15,7 @@ from ..errors import CorruptCheckpointError
 from ..format.metadata import TensorStorageMetadata
 from ..storage import Storage
 
-__all__ = ["check_files_hold"]
+__all__ = ["check_files_hold", "read_range"]
 
 
 def check_files_hold(storage: Storage, tensors: Iterable[tuple[str, TensorStorageMetadata]]) -> None:
@@ -33,3 +33,17 @@ def check_files_hold(storage: Storage, tensors: Iterable[tuple[str, TensorStorag
             storage.read_into(file, end - 1, [probe])
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"key {key!r}: {e} (its chunks in that file end at byte {end})") from None
+
+
+def read_range(storage: Storage, file: str, offset: int, length: int) -> bytearray:
+    """Bytes ``[offset, offset + length)`` of ``file``, where both numbers come from foreign
+    metadata (a DCP ``.metadata``, a safetensors header): the file's last byte of the range is
+    read first, so a length the file does not hold raises ``CorruptCheckpointError``
+    (truncated) before the buffer is allocated; memory is then bounded by the bytes the file
+    really holds."""
+    if length:
+        storage.read_into(file, offset + length - 1, [memoryview(bytearray(1))])
+    buf = bytearray(length)
+    if length:
+        storage.read_into(file, offset, [memoryview(buf)])
+    return buf

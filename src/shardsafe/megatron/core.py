@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import CheckpointError, IncompleteCheckpointError
+from ..format import strict_json
 from ..storage import Location, Storage, open_storage
 
 __all__ = [
@@ -99,8 +100,8 @@ def maybe_load_config(checkpoint_dir: Location) -> CheckpointingConfig | None:
         except FileNotFoundError:
             return None
     try:
-        doc = json.loads(raw)
-    except ValueError:
+        doc = strict_json.loads(raw)
+    except ValueError:  # not JSON, or nested too deep: no config
         return None
     return config_from_document(doc)
 
