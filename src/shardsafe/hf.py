@@ -31,7 +31,7 @@ from .errors import CorruptCheckpointError, IncompleteCheckpointError, StorageEr
 from .format import strict_json
 from .format.checksum import ChunkSums
 from .format.dtypes import SAFETENSORS_CODE
-from .format.metadata import MAX_NDIM, MAX_SIZE, TensorShardSpec, TensorStorageMetadata
+from .format.metadata import MAX_NDIM, MAX_SIZE, TensorShardSpec, TensorStorageMetadata, built
 from .format.safetensors_file import parse_header
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 _BY_CODE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
+_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in SAFETENSORS_CODE}
 
 
 class _UncheckedTensor(TensorStorageMetadata):
@@ -214,12 +215,12 @@ def _tensor(key: str, entry: Any, start: int, file: str, where: str) -> TensorSt
             raise CorruptCheckpointError(f"{bad}: shape {shape} would hold 2**62 bytes or more")
     if offsets[1] - offsets[0] != nbytes:
         raise CorruptCheckpointError(f"{bad}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, shape {shape} of {dtype} needs {nbytes}")
-    spec = TensorShardSpec(
-        global_offset=(0,) * len(shape), local_shape=tuple(shape), name=key, byte_range=(start + offsets[0], start + offsets[1])
-    )
-    return _UncheckedTensor(
-        shape=tuple(shape), dtype=str(dtype).removeprefix("torch."), is_sharded=False, shard_spec_per_file={file: [spec]}
-    )
+    # every field checked above: built without pydantic's validation (a header may list 300k tensors)
+    spec = built(TensorShardSpec, {
+        "global_offset": (0,) * len(shape), "local_shape": tuple(shape), "name": key, "byte_range": (start + offsets[0], start + offsets[1]),
+    })
+    fields = {"shape": tuple(shape), "dtype": _NAMES[dtype], "is_sharded": False, "shard_spec_per_file": {file: [spec]}}
+    return built(_UncheckedTensor, fields, {"_checksum": None, "_table": None, "_doc": None, "_key": ""})
 
 
 def load_hf_safetensors(

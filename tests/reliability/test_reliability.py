@@ -11,6 +11,7 @@ from pathlib import Path
 from .campaigns import FAST, SEED
 from .corrupt import run_corrupt
 from .fuzz_metadata import run_fuzz
+from .importers import KINDS, run_importers
 from .kill import run_kill
 from .race import run_race
 
@@ -38,3 +39,11 @@ def test_racing_jobs_one_wins_the_other_is_refused_nothing_is_lost(tmp_path: Pat
     report = run_race(FAST["race"], SEED, workdir=str(tmp_path))
     assert report.trials == FAST["race"]
     assert report.bad == {}, report.failure_message()
+
+
+def test_hostile_foreign_checkpoints_raise_only_checkpoint_errors_in_every_importer_and_cli_command(tmp_path: Path) -> None:
+    report = run_importers(FAST["importers"], SEED, workdir=str(tmp_path))
+    assert report.trials == FAST["importers"]
+    assert report.counts["detected"] > 0
+    assert report.bad == {}, report.failure_message()
+    assert sum(report.notes[f"trials:{k}"] for k in KINDS) == report.trials
