@@ -17,7 +17,7 @@ from .adapters import LocalTensor, describe_state
 from .adapters.nested import Targets, load_targets
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave, wait_for_location
-from .engine.bounds import check_files_hold
+from .engine.bounds import check_files_hold, read_limited
 from .engine.objects import decode_objects
 from .engine.reader import Reader
 from .engine.writer import async_save_state, save_state
@@ -320,7 +320,7 @@ def _read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
 
     def read() -> bytes:
         try:
-            return storage.read(METADATA_FILENAME)
+            return read_limited(storage, METADATA_FILENAME)  # a file grown sparse is refused, not read whole
         except FileNotFoundError:
             raise missing_metadata_error(storage, METADATA_FILENAME) from None  # another library's checkpoint, or uncommitted
 

@@ -24,7 +24,7 @@ from ._progress import rank_progress, targets_done
 from .adapters import describe_state
 from .adapters.modules import model_state
 from .dist import Comm, get_comm
-from .engine.bounds import check_files_hold, read_range
+from .engine.bounds import check_files_hold, read_limited, read_range
 from .engine.consolidate import INDEX_FILE, SINGLE_FILE
 from .engine.reader import Reader
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, StorageError
@@ -162,7 +162,7 @@ def _files(storage: Storage, name: str, where: str) -> tuple[list[str], dict[str
                 + "; name the model file or the folder that holds it"
             )
     try:
-        doc = strict_json.loads(storage.read(name))
+        doc = strict_json.loads(read_limited(storage, name))
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{where}: no such index file") from None
     except ValueError as e:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..engine.bounds import read_range
+from ..engine.bounds import StoredFile, read_range
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -141,74 +141,7 @@ class SafeUnpickler(pickle.Unpickler):
         raise UnsafePickleError(f"{self.where}: the pickle uses persistent ids, which DCP metadata never does; refusing it")
 
 
-class _Stream:
-    """A file of a storage read front to back, for the unpickler: in pieces of at most
-    :data:`_PIECE` bytes, whatever its size, so that memory follows what the pickle builds (a
-    ``.metadata`` grown sparse to a terabyte is refused at its first byte, not read whole)."""
-
-    def __init__(self, storage: Storage, name: str) -> None:
-        self.storage, self.name = storage, name
-        self.pos = 0  # of the file, where ``buf`` starts
-        self.buf = b""
-        self.end: int | None = None  # the file's length, once its end was met
-
-    def _fill(self, want: int) -> None:
-        while len(self.buf) < want and (self.end is None or self.pos + len(self.buf) < self.end):
-            at = self.pos + len(self.buf)
-            n = _PIECE if self.end is None else min(_PIECE, self.end - at)
-            piece = bytearray(n)
-            try:
-                self.storage.read_into(self.name, at, [memoryview(piece)])
-            except CorruptCheckpointError:  # the file ends inside this piece: find where, by halving
-                n = self._last(at, n)
-                if n == 0 and at == 0:  # empty, or not readable at all (a link, missing): say why
-                    raise
-                self.end = at + n
-                piece = bytearray(n)  # (the failed read's view may still hold the old one)
-                if n:
-                    self.storage.read_into(self.name, at, [memoryview(piece)])
-            self.buf += bytes(piece)
-
-    def _last(self, at: int, n: int) -> int:
-        """How many of the ``n`` bytes from ``at`` the file holds (fewer than ``n``)."""
-        lo, hi, probe = 0, n - 1, memoryview(bytearray(1))
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            try:
-                self.storage.read_into(self.name, at + mid - 1, [probe])
-                lo = mid
-            except CorruptCheckpointError:
-                hi = mid - 1
-        return lo
-
-    def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0:
-            n = 1 << 62
-        self._fill(min(n, _PIECE) if len(self.buf) < n else n)
-        while len(self.buf) < n and (self.end is None or self.pos + len(self.buf) < self.end):
-            self._fill(len(self.buf) + _PIECE)  # a long read grows with the bytes there, never by n at once
-        out, self.buf = self.buf[:n], self.buf[n:]
-        self.pos += len(out)
-        return out
-
-    def readline(self) -> bytes:
-        line = b""
-        while not line.endswith(b"\n"):
-            c = self.read(1)
-            if not c:
-                break
-            line += c
-        return line
-
-    def peek(self, n: int = 1) -> bytes:
-        self._fill(max(n, 1))
-        return self.buf
-
-
-_PIECE = 1 << 20
-
-
-def load_dcp_metadata(raw: bytes | _Stream, *, where: str) -> Any:
+def load_dcp_metadata(raw: bytes | StoredFile, *, where: str) -> Any:
     """DCP's ``Metadata`` from ``.metadata`` (its bytes, or a stream of them), unpickled with
     :class:`SafeUnpickler` and checked (raises ``UnsafePickleError`` or ``CorruptCheckpointError``)."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -259,7 +192,7 @@ def read_dcp_checkpoint(storage: Storage, raw: bytes | None = None) -> DcpCheckp
             raise IncompleteCheckpointError(
                 f"{storage.url}: not a torch.distributed.checkpoint checkpoint: {state} has no {DCP_METADATA}{hint}"
             )
-    return check_dcp_metadata(load_dcp_metadata(_Stream(storage, DCP_METADATA) if raw is None else raw, where=where), where=where)
+    return check_dcp_metadata(load_dcp_metadata(StoredFile(storage, DCP_METADATA) if raw is None else raw, where=where), where=where)
 
 
 def check_dcp_metadata(meta: Any, *, where: str) -> DcpCheckpoint:
@@ -455,12 +388,10 @@ def read_lightning_meta(storage: Storage, *, allow_pickle: bool, opt_in: str) ->
     ending with ``opt_in``: how the caller opts in) for objects the safe loader refuses;
     ``CorruptCheckpointError`` for a file that cannot be read or holds no dict."""
     where = f"{storage.url.rstrip('/')}/{LIGHTNING_META_FILE}"
-    try:
-        raw = storage.read(LIGHTNING_META_FILE)
-    except FileNotFoundError:
+    if LIGHTNING_META_FILE not in storage.list():
         return None
     try:
-        value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=not allow_pickle)
+        value = torch.load(StoredFile(storage, LIGHTNING_META_FILE), map_location="cpu", weights_only=not allow_pickle)  # streamed
     except Exception as e:  # noqa: BLE001 - torch's safe unpickler raises UnpicklingError, or others for a damaged file
         if allow_pickle or "weights_only" not in str(e):
             raise CorruptCheckpointError(f"{where}: cannot be read: {type(e).__name__}: {str(e)[:300]}") from None

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..engine.bounds import read_limited
 from ..errors import CheckpointError, IncompleteCheckpointError
 from ..format import strict_json
 from ..storage import Location, Storage, open_storage
@@ -96,7 +97,7 @@ def maybe_load_config(checkpoint_dir: Location) -> CheckpointingConfig | None:
         return None
     with opened(checkpoint_dir) as storage:
         try:
-            raw = storage.read(CONFIG_FNAME)
+            raw = read_limited(storage, CONFIG_FNAME)
         except FileNotFoundError:
             return None
     try:

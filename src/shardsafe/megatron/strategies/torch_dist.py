@@ -24,13 +24,14 @@ import pickle
 import types
 from math import prod
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
 from ... import adapters
 from ...dcp import dcp_format
 from ...dist import get_comm
+from ...engine.bounds import StoredFile
 from ...errors import ShardingError
 from ...planning.geometry import check_tiling
 from ...storage import Storage, open_storage
@@ -46,15 +47,21 @@ COMMON_ALLOWLIST: list[Any] = [argparse.Namespace, types.SimpleNamespace]
 (tensors, dtypes, containers, numbers, strings): what Megatron stores there."""
 
 
-def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
+def safe_torch_load(raw: bytes | BinaryIO, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
     """What ``torch.save`` wrote in ``raw``, read by torch's safe loader with :data:`COMMON_ALLOWLIST`
     added; a pickle it refuses raises ``CheckpointingException`` unless ``allow_pickle``, ending
     with ``opt_in`` (by default: pass ``sharded_strategy=<strategy>(allow_pickle=True)``)."""
     if opt_in is None:
         opt_in = f"Pass sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
+    def source() -> BinaryIO:  # the bytes, or the file (seekable: torch reads only what it needs of it) from its start
+        if isinstance(raw, bytes | bytearray):
+            return io.BytesIO(raw)
+        raw.seek(0)
+        return raw
+
     try:
         with torch.serialization.safe_globals(COMMON_ALLOWLIST):
-            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            return torch.load(source(), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if not allow_pickle:
             raise CheckpointingException(
@@ -63,7 +70,7 @@ def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str
             ) from None
     except Exception as e:  # noqa: BLE001 - a damaged file
         raise CheckpointingException(f"{where}: cannot read it: {type(e).__name__}: {str(e)[:300]}") from None
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+    return torch.load(source(), map_location="cpu", weights_only=False)
 
 
 def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> StateDict:
@@ -71,13 +78,13 @@ def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, 
     storage = open_storage(location(checkpoint_dir))
     where = f"{storage.url.rstrip('/')}/{COMMON_FNAME}"  # the location, also when given a Storage
     try:
-        raw = storage.read(COMMON_FNAME)
-    except FileNotFoundError:
-        return {}
+        if COMMON_FNAME not in storage.list():
+            return {}
+        # streamed: torch reads the parts of the archive it needs, whatever size the file claims
+        common = safe_torch_load(StoredFile(storage, COMMON_FNAME), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
     finally:
         if storage is not checkpoint_dir:
             storage.close()
-    common = safe_torch_load(bytes(raw), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
     if not isinstance(common, dict):
         raise CheckpointingException(f"{where} holds a {type(common).__name__}, not a dict")
     return common

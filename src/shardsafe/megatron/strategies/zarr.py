@@ -19,7 +19,7 @@ import os
 import stat
 from math import prod
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -69,8 +69,8 @@ class _ZarrView(NamedTuple):
     def read_object(self, storage: Storage, unique_key: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
         """The value megatron-core saved with ``torch.save`` for ShardedObject ``unique_key``."""
         path = self.objects[unique_key]
-        raw = _read(_root(storage), path, self.where)
-        return safe_torch_load(raw, f"{self.where}/{path}", allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
+        with _open(_root(storage), path, self.where) as f:  # streamed: torch reads what it needs of the file
+            return safe_torch_load(f, f"{self.where}/{path}", allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
 
     def _chunk(self, key: str, idx: tuple[int, ...]) -> tuple[str, int]:
         """The chunk file of chunk ``idx`` of ``key`` (relative to the checkpoint) and its size."""
@@ -157,6 +157,19 @@ def _root(storage: Storage) -> str:
 
 
 _ZARRAY_LIMIT = 1 << 20  # a .zarray is a few hundred bytes
+
+
+def _open(root: str, path: str, where: str) -> BinaryIO:
+    """The file ``path`` (relative to the checkpoint ``root``), opened without following links."""
+    full = os.path.join(root, *path.split("/"))
+    try:
+        return os.fdopen(open_nofollow(full, root=root), "rb")
+    except FileNotFoundError:
+        raise CheckpointingException(f"{where}: no file {path!r}") from None
+    except CorruptCheckpointError as e:
+        raise CheckpointingException(f"{where}: {e}") from None
+    except OSError as e:
+        raise CheckpointingException(f"{where}: cannot read {path}: {e.strerror}") from None
 
 
 def _read(root: str, path: str, where: str, *, size: int | None = None, what: str = "", limit: int | None = None) -> bytes:
