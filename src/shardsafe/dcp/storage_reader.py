@@ -55,6 +55,7 @@ from ..errors import (
     ForeignCheckpointError,
     IncompleteCheckpointError,
     ShapeMismatchError,
+    StorageError,
 )
 from ..foreign import missing_metadata_error
 from ..format.dtypes import dtype_name
@@ -114,7 +115,11 @@ class StorageReader(Located, _DcpStorageReader):
             meta = StorageMetadata.from_json(raw, where=f"{storage.url.rstrip('/')}/{METADATA_FILENAME}").bind(storage)
             self._ours = _OurCheckpoint(meta)
             return self._ours.dcp_metadata(storage.url, self.load_id)
-        if DCP_METADATA not in storage.list():
+        try:
+            listed = storage.list()
+        except StorageError:  # the location is a file (a model.safetensors named as a checkpoint)
+            listed = []
+        if DCP_METADATA not in listed:
             foreign = missing_metadata_error(storage, METADATA_FILENAME)  # a Hugging Face model, a Megatron run's root
             if isinstance(foreign, ForeignCheckpointError):
                 raise foreign from None

@@ -91,7 +91,8 @@ class _ZarrView(NamedTuple):
                 try:
                     st = os.lstat(os.path.join(root, *path.split("/")))
                 except FileNotFoundError:
-                    raise CheckpointingException(f"{self.where}: array {key!r} has no chunk file {path!r} (megatron-core writes every chunk)") from None
+                    name = path.rsplit("/", 1)[1]
+                    raise CheckpointingException(f"{self.where}: array {key!r} has no chunk file {name!r} (megatron-core writes every chunk)") from None
                 if stat.S_ISLNK(st.st_mode):
                     raise CheckpointingException(
                         f"{self.where}: {os.path.join(root, *path.split('/'))}: is a symbolic link; shardsafe does not follow links "
@@ -104,7 +105,9 @@ class _ZarrView(NamedTuple):
         """Chunk ``idx`` of ``key``, clipped to the array (a view of the chunk file's elements)."""
         stored, arr = self.tensors[key], self.arrays[key]
         path, size = self._chunk(key, idx)
-        raw = _read(_root(storage), path, self.where, size=size, what=self._what(key))
+        name = path.rsplit("/", 1)[1]
+        missing = f"{self.where}: array {key!r} has no chunk file {name!r} (megatron-core writes every chunk)"
+        raw = _read(_root(storage), path, self.where, size=size, what=self._what(key), missing=missing)
         data = torch.frombuffer(bytearray(raw), dtype=stored.torch_dtype).view(arr.chunks) if raw else torch.empty(arr.chunks, dtype=stored.torch_dtype)
         off = [i * c for i, c in zip(idx, arr.chunks)]
         return data[tuple(slice(0, min(c, s - o)) for c, s, o in zip(arr.chunks, stored.shape, off))]
@@ -172,7 +175,7 @@ def _open(root: str, path: str, where: str) -> BinaryIO:
         raise CheckpointingException(f"{where}: cannot read {path}: {e.strerror}") from None
 
 
-def _read(root: str, path: str, where: str, *, size: int | None = None, what: str = "", limit: int | None = None) -> bytes:
+def _read(root: str, path: str, where: str, *, size: int | None = None, what: str = "", limit: int | None = None, missing: str = "") -> bytes:
     """The file ``path`` (relative to the checkpoint ``root``) opened without following links
     (:func:`~shardsafe.storage.local.open_nofollow`); its size is checked against ``size`` (a
     chunk of ``what``) or ``limit`` before anything is read or allocated."""
@@ -180,7 +183,7 @@ def _read(root: str, path: str, where: str, *, size: int | None = None, what: st
     try:
         fd = open_nofollow(full, root=root)
     except FileNotFoundError:
-        raise CheckpointingException(f"{where}: no file {path!r} (megatron-core writes every chunk of an array)") from None
+        raise CheckpointingException(missing or f"{where}: no file {path!r}") from None
     except CorruptCheckpointError as e:
         raise CheckpointingException(f"{where}: {e}") from None
     except OSError as e:
