@@ -33,7 +33,7 @@ from ...dcp import dcp_format
 from ...dist import get_comm
 from ...engine.bounds import StoredFile
 from ...errors import ShardingError
-from ...planning.geometry import check_tiling
+from ...format.geometry import check_tiling
 from ...storage import Storage, open_storage
 from ..core import CheckpointingException, opened
 from ..mapping import ShardedObject, ShardedStateDict, StateDict
