@@ -321,8 +321,8 @@ def _read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
     def read() -> bytes:
         try:
             return storage.read(METADATA_FILENAME)
-        except FileNotFoundError:
-            raise missing_metadata_error(storage, METADATA_FILENAME) from None  # another library's checkpoint, or uncommitted
+        except FileNotFoundError as e:  # another library's checkpoint, uncommitted, or nothing there
+            raise missing_metadata_error(storage, METADATA_FILENAME, e) from None
 
     raw = comm.broadcast(read)
     with paused_gc():
