@@ -342,7 +342,7 @@ def test_export_sharded_folder_loads_with_safetensors(tmp_path, capsys):
     state = _big_state()
     Checkpointer().save(d, state)
     out = tmp_path / "hf"
-    assert main(["export", str(d), str(out), "--max-shard-size", "20KB", "--json"]) == 0
+    assert main(["export", str(d), str(out), "--max-shard-size", "20KB", "--json", "--prefix", ""]) == 0  # every key, as stored
     assert json.loads(capsys.readouterr().out)["files"] == 3
     names = sorted(p.name for p in out.iterdir())
     assert names == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
@@ -356,11 +356,11 @@ def test_export_sharded_folder_loads_with_safetensors(tmp_path, capsys):
             assert index["weight_map"][key] == name
             assert torch.equal(t, state[key])
     # an export with one shard replaces it with model.safetensors, removing the old files
-    assert main(["export", str(d), str(out), "--max-shard-size", "5GB", "--overwrite", "-q"]) == 0
+    assert main(["export", str(d), str(out), "--max-shard-size", "5GB", "--overwrite", "-q", "--prefix", ""]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     got = safetensors.torch.load_file(out / "model.safetensors")
     assert all(torch.equal(got[k], v) for k, v in state.items())
-    assert main(["export", str(d), str(out), "--max-shard-size", "5GB", "-q"]) == 2
+    assert main(["export", str(d), str(out), "--max-shard-size", "5GB", "-q", "--prefix", ""]) == 2
 
 
 def test_parse_size():

@@ -164,8 +164,8 @@ def _reshard_fsdp1(module: nn.Module, name: str) -> None:
         return
     # after a forward FSDP1 points the root's parameters back at its shard but keeps the gathered copy, which
     # the next forward then uses as it is, without gathering: what a load writes into the shard would be ignored
-    if handle.is_sharded(handle.flat_param) and handle.needs_unshard():
-        return  # sharded, nothing gathered held
+    if handle.is_sharded(handle.flat_param) and (not hasattr(handle.flat_param, "_full_param_padded") or handle.needs_unshard()):
+        return  # sharded, nothing gathered held (or no forward yet: FSDP1 allocates its gather buffer lazily)
     state = str(getattr(handle, "_training_state", "")).rsplit(".", 1)[-1]
     if state != "IDLE":
         raise ShardingError(
