@@ -364,7 +364,7 @@ def cmd_consolidate(args: argparse.Namespace, out: _Out) -> int:
 
 def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
     from .convert import convert_hf, convert_torch
-    from .foreign import source_format
+    from .engine.foreign import source_format
 
     progress = out.progress("convert")
     detected = args.source is None

@@ -16,27 +16,20 @@ import errno
 import re
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointError, ForeignCheckpointError, IncompleteCheckpointError
-from .storage.base import DCP_METADATA
+from ..errors import CheckpointError, ForeignCheckpointError, IncompleteCheckpointError
+from ..format.metadata import megatron_advice
+from ..storage.base import DCP_METADATA
 
 if TYPE_CHECKING:
-    from .storage import Storage
+    from ..storage import Storage
 
-__all__ = ["megatron_advice", "missing_metadata_error", "source_format"]
+__all__ = ["missing_metadata_error", "source_format"]
 
 LIGHTNING_META = "meta.pt"
 MEGATRON_COMMON = "common.pt"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 _OUR_DATA_FILE = re.compile(r"shard-r\d+-[0-9a-f]+\.safetensors")  # docs/format.md §2, what a save of ours leaves
 _TRACKER_BYTES = 64  # "release" or an iteration number
-
-
-def megatron_advice(src: str) -> str:
-    """How a Megatron-Core ``torch_dist`` or ``zarr`` checkpoint at ``src`` converts or loads."""
-    return (
-        f"convert it with shardsafe.megatron.convert_megatron({src!r}, dst) or `shardsafe convert {src} DST --from megatron`, "
-        f"or load it as it is with shardsafe.megatron.load(sharded_state_dict, {src!r})"
-    )
 
 
 def missing_metadata_error(storage: Storage, metadata_name: str, cause: OSError | None = None) -> CheckpointError:
@@ -111,7 +104,7 @@ def source_format(location: str) -> str:
     (a ``torch.save`` file) or ``"hf"``, told apart as :func:`missing_metadata_error` tells them
     apart for ``inspect``. Raises :class:`CheckpointError` for a shardsafe checkpoint (nothing to
     convert) or a location of none of these kinds (naming ``--from``)."""
-    from .storage import open_storage  # the storage layer opens it; this module only reads what it lists
+    from ..storage import open_storage  # the storage layer opens it; this module only reads what it lists
 
     storage = open_storage(location)
     try:
