@@ -22,6 +22,7 @@ its results through one broadcast at start and then keep the same list by the sa
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal as signal_module
 import threading
@@ -561,7 +562,8 @@ def _named(e: CheckpointError, text: str) -> CheckpointError:
 
 
 def _open_root(root: Location) -> Directory:
-    storage = open_storage(root)
+    # a storage object is checked here, before open_storage checks it against the whole Storage protocol
+    storage = root if isinstance(root, Directory) else open_storage(root) if isinstance(root, (str, os.PathLike)) else root
     if not isinstance(storage, Directory):
         raise TypeError(
             f"CheckpointManager: argument 'root' must be a path, a URL or a storage that lists sub-directories "
