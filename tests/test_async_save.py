@@ -564,7 +564,7 @@ def test_kill_9_during_a_background_write_leaves_the_last_commit_and_refuses_the
     out = Checkpointer().unshard(os.path.join(root, "step1"))
     assert torch.equal(out["w"], full_tensor("w@1", (ws * 64, 1024))) and out["step"] == 1
     assert os.listdir(os.path.join(root, "step2")) == []  # rank 0 removed the new save's files, rank 1's too
-    with pytest.raises(IncompleteCheckpointError, match="not a committed checkpoint"):
+    with pytest.raises(IncompleteCheckpointError, match="step2: not a checkpoint: nothing is there"):
         Checkpointer().unshard(os.path.join(root, "step2"))
     with pytest.raises(IncompleteCheckpointError):
         Checkpointer().load(os.path.join(root, "step2"), {"w": torch.zeros(ws * KILL_ROWS, 1024), "step": 0})

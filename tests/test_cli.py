@@ -843,14 +843,14 @@ def test_cli_and_hf_on_s3(s3, tmp_path, capsys):
     got = Checkpointer().unshard(url + "-back")
     assert got.keys() == sd.keys() and all(torch.equal(got[k], v) for k, v in sd.items())
     assert main(["inspect", url + "-missing"]) == 2
-    assert "not a committed checkpoint" in capsys.readouterr().err
+    assert "-missing: not a checkpoint: nothing is there" in capsys.readouterr().err
     # the console script itself, in a process of its own, configured by the standard AWS variables
     env = {**os.environ, "PYTHONPATH": ENV["PYTHONPATH"]}
     r = subprocess.run([sys.executable, "-m", "shardsafe", "inspect", url, "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["tensors"]) == set(state)
     r = subprocess.run([sys.executable, "-m", "shardsafe", "verify", url + "-missing"], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2 and "not a committed checkpoint" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "-missing: not a checkpoint: nothing is there" in r.stderr and "Traceback" not in r.stderr
 
 
 # ------------------------------------------------------------------ progress

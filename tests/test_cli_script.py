@@ -149,7 +149,7 @@ def test_diff_on_s3(s3):  # noqa: F811 - the fixture imported above
     assert same.returncode == 0, same.stderr
     doc = json.loads(same.stdout)
     assert (doc["same"], doc["max_abs_diff"]) == (True, {"model.b": 0.0, "model.w": 0.0})
-    assert missing.returncode == 2 and f"{url}-missing: not a committed checkpoint" in missing.stderr
+    assert missing.returncode == 2 and f"{url}-missing: not a checkpoint: nothing is there" in missing.stderr
 
 
 # ------------------------------------------------------------------ JSON

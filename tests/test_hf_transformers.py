@@ -75,7 +75,7 @@ def test_export_loads_with_transformers_from_pretrained(tmp_path):
 
 
 def test_export_writes_config_json_from_a_pretrained_config_or_warns_without_one(tmp_path):
-    from shardsafe.engine.consolidate import unshard_to_safetensors
+    from shardsafe import unshard_to_safetensors
 
     model = _llama(0)
     sd = model.state_dict()

@@ -337,7 +337,7 @@ def test_cli_consolidate(fsdp_ckpt, tmp_path, capsys):
     assert r.stdout.decode() == f"consolidated 18 tensors (2.6 KB) from {fsdp_ckpt} into {out} ({size / 1000:.1f} KB)\n"
     assert out.read_bytes() == _torch_save_bytes(shardsafe.lightning.consolidate(fsdp_ckpt))
     assert main(["consolidate", fsdp_ckpt, str(out)]) == 2
-    assert capsys.readouterr() == ("", f"shardsafe consolidate: error: {out}: file exists; pass overwrite=True to replace it\n")
+    assert capsys.readouterr() == ("", f"shardsafe consolidate: error: {out}: file exists; pass --overwrite to replace it\n")
     assert main(["consolidate", fsdp_ckpt, str(out), "--overwrite", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc == {"dir": fsdp_ckpt, "out": str(out), "tensors": 18, "bytes": 2578, "file_bytes": size}

@@ -637,7 +637,7 @@ def test_memory_root_and_a_storage_without_directories() -> None:
         url = "flat://x"
 
         def __getattr__(self, name):
-            if name in ("write_file", "put_atomic", "read_into", "read", "list", "delete", "close"):
+            if name in ("write_file", "put_atomic", "read_into", "read_spans_into", "read", "list", "delete", "close"):
                 return lambda *a, **k: None
             raise AttributeError(name)
 

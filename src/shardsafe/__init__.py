@@ -61,7 +61,7 @@ _LAZY = {
     "unshard_optim_state": ".api",
     "Checkpointer": ".checkpointer",
     "AsyncSave": ".engine.background",
-    "unshard_to_safetensors": ".engine.consolidate",
+    "unshard_to_safetensors": ".api",
     "StorageMetadata": ".format.metadata",
     "TensorShardSpec": ".format.metadata",
     "TensorStorageMetadata": ".format.metadata",
@@ -80,10 +80,10 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
         save_model_and_optim_state,
         unshard_model_state,
         unshard_optim_state,
+        unshard_to_safetensors,
     )
     from .checkpointer import Checkpointer
     from .engine.background import AsyncSave
-    from .engine.consolidate import unshard_to_safetensors
     from .format.metadata import StorageMetadata as StorageMetadata
     from .format.metadata import TensorShardSpec as TensorShardSpec
     from .format.metadata import TensorStorageMetadata as TensorStorageMetadata

@@ -8,6 +8,10 @@ tensor parallel or a plain module, at any world size. No state_dict_type to set,
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +19,7 @@ import torch
 from torch import nn
 
 from ._args import check_arg, check_bool
-from ._progress import Progress, rank_progress
+from ._progress import Progress, progress_callback, rank_progress
 from .adapters.keys import MODEL_PREFIX, OPTIM_PREFIX
 from .adapters.modules import ParamInfo, model_state
 from .adapters.optim import (
@@ -29,9 +33,12 @@ from .adapters.optim import (
 )
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
+from .engine.consolidate import export_tensors
 from .engine.loader import load_state, read_metadata, unshard_state
+from .engine.outputs import CONFIG_FILE, OutputFile, OutputFolder, config_json
 from .engine.writer import async_save_state, save_state
-from .errors import CheckpointError, MissingKeyError
+from .errors import CheckpointError, DtypeMismatchError, MissingKeyError
+from .format.dtypes import SAFETENSORS_CODE
 from .format.metadata import StorageMetadata
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
@@ -39,7 +46,16 @@ from .storage import Location, Storage, open_storage
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["async_save_model_and_optim_state", "load_model_and_optim_state", "save_model_and_optim_state", "unshard_model_state", "unshard_optim_state"]
+__all__ = [
+    "async_save_model_and_optim_state",
+    "load_model_and_optim_state",
+    "save_model_and_optim_state",
+    "unshard_model_state",
+    "unshard_optim_state",
+    "unshard_to_safetensors",
+]
+
+log = logging.getLogger("shardsafe.engine.consolidate")  # the export's lines keep their logger
 
 
 
@@ -339,3 +355,110 @@ def optim_state_of(flat: dict[str, Any], where: str) -> dict[str, Any]:
         fqn, name = split_state_key(OPTIM_PREFIX + key, fqns)
         state.setdefault(fqn, {})[name] = value
     return {"state": state, "param_groups": groups}
+
+
+def unshard_to_safetensors(
+    dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    prefix: str | None = None,
+    overwrite: bool = False,
+    max_shard_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool | Callable[[int, int], None] | None = None,
+    knobs: Knobs | None = None,
+    config: Any = None,
+) -> dict[str, int]:
+    """Write every tensor of the checkpoint at ``dir`` into one safetensors file at ``out_path``
+    or, with ``max_shard_size``, into a Hugging Face style folder at ``out_path``.
+
+    With ``prefix``, only keys that start with it are written, with the prefix removed
+    (``prefix="model."`` turns ``"model.layers.0.weight"`` into ``"layers.0.weight"``).
+    Non-tensor values stored as JSON (under the prefix, if given) go into the file's
+    ``__metadata__`` as JSON strings, under their (stripped) keys, next to ``"format": "pt"``;
+    values stored with pickle are never unpickled and are left out (counted in the result).
+
+    ``max_shard_size`` (bytes of tensor data per file): ``out_path`` is a folder, written as
+    ``transformers``' ``save_pretrained`` writes one: ``model.safetensors`` when every tensor fits
+    in one file, else ``model-00001-of-0000N.safetensors`` ... (tensors in name order, a file
+    closed before it would pass the limit; a tensor larger than the limit gets a file of its
+    own) and ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...},
+    "weight_map": {name: file}}``), written last. JSON values go into every file's
+    ``__metadata__``. Files of an earlier export there (the other layout, other shard counts)
+    are removed once the new one is complete, only with ``overwrite=True``.
+
+    ``config`` (with ``max_shard_size`` only): the model's configuration, written to the folder as
+    ``config.json`` so that ``transformers``' ``from_pretrained(out_path)`` builds the right model:
+    a ``transformers.PretrainedConfig`` (written as its ``save_pretrained`` writes it), or the path
+    of a ``config.json`` (or of a folder holding one), copied after checking it is a JSON object.
+    Without it the folder holds the weights only, and a ``UserWarning`` says so and how to add
+    the config (``from_pretrained`` on such a folder builds a default model of its own choosing).
+
+    ``dtype``: cast every floating-point tensor to it (``torch.bfloat16``, ...); other tensors
+    are written as stored. Checksums are checked on the stored bytes, before the cast.
+    ``progress``: ``True`` draws a progress bar (tqdm) on stderr; a callable is called as
+    ``progress(done, total)`` with the bytes of tensor data written so far.
+
+    Peak memory is four blocks of ``knobs.write_block_bytes`` (64 MiB by default) when every
+    chunk is a run of rows (as FSDP / ``Shard(0)`` saves them), plus as many cast blocks with
+    ``dtype``; tensors saved in other layouts add the largest of them and
+    ``knobs.read_buffer_bytes`` of scratch. Every chunk is checked against its checksums. Each
+    file appears atomically and durably (fsynced temporary file, renamed); an existing
+    ``out_path`` file (or an existing export in the ``out_path`` folder) is replaced only with
+    ``overwrite=True``. ``out_path`` may also be an object-store or ``memory://`` URL
+    (``s3://bucket/dir/model.safetensors``, configured by the environment): the object is
+    uploaded as it is written and appears only once complete; without ``overwrite`` an
+    existing object is refused (checked before writing). Needs no process group.
+
+    Returns counts: ``tensors``, ``bytes`` (tensor data), ``file_bytes`` (all files written),
+    with ``max_shard_size`` ``files`` (data files written) and ``config`` (1 if config.json was written, else 0), ``values`` (JSON values written to ``__metadata__``), ``skipped_values``
+    (pickled values left out).
+    """
+    check_arg("unshard_to_safetensors", "out_path", out_path, (str, os.PathLike))
+    check_arg("unshard_to_safetensors", "prefix", prefix, str, optional=True)
+    check_bool("unshard_to_safetensors", "overwrite", overwrite)
+    check_arg("unshard_to_safetensors", "max_shard_size", max_shard_size, int, optional=True)
+    check_arg("unshard_to_safetensors", "dtype", dtype, torch.dtype, optional=True)
+    check_arg("unshard_to_safetensors", "knobs", knobs, Knobs, optional=True)
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise CheckpointError(f"unshard_to_safetensors: max_shard_size must be a positive number of bytes, got {max_shard_size}")
+    if dtype is not None and dtype not in SAFETENSORS_CODE:
+        raise DtypeMismatchError(f"unshard_to_safetensors: dtype {dtype} cannot be stored in safetensors")
+    if config is not None and max_shard_size is None:
+        raise CheckpointError(
+            "unshard_to_safetensors: config= writes config.json beside the weights, in a folder: pass max_shard_size "
+            "as well (a folder as save_pretrained writes one; 5 * 10**9 is transformers' default)"
+        )
+    knobs = knobs or KNOBS
+    started = time.monotonic()
+    out = os.fspath(out_path)
+    config_raw = config_json(config) if config is not None else None
+    folder = OutputFolder(out, overwrite=overwrite, config=config_raw) if max_shard_size is not None else None
+    single = None if folder is not None else OutputFile(out, overwrite=overwrite, knobs=knobs)
+    storage = open_storage(dir)
+    meta = read_metadata(storage, get_comm(no_dist=True))
+    counts, groups, outputs = export_tensors(
+        storage, meta, prefix=prefix, dtype=dtype, max_shard_size=max_shard_size,
+        open_outputs=(lambda n: [single]) if folder is None else (lambda n: folder.outputs(n, knobs)),  # type: ignore[list-item,union-attr]
+        progress=progress_callback(progress, "unshard_to_safetensors"), knobs=knobs,
+    )
+    total = counts["bytes"]
+    if folder is not None:
+        folder.finish(groups, outputs, total)
+        if config_raw is None:
+            warnings.warn(
+                f"{folder.where}: the folder holds the weights only, no {CONFIG_FILE}: transformers' from_pretrained needs "
+                f"the model's config and without it builds a default model of its own. Pass config= (a PretrainedConfig, or "
+                f"the path of a config.json; --config on the command line), or copy the model's {CONFIG_FILE} into the folder",
+                UserWarning,
+                stacklevel=2,
+            )
+    seconds = time.monotonic() - started
+    log.info(
+        "unshard %s -> %s: %d tensors, %d bytes in %d file(s), %.2f s, %.2f GB/s",
+        storage.url, out, counts["tensors"], total, len(outputs), seconds, total / max(seconds, 1e-9) / 1e9,
+    )
+    if folder is not None:
+        counts["files"] = len(outputs)
+        counts["config"] = int(config_raw is not None)
+    return counts

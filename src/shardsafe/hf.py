@@ -25,7 +25,7 @@ from .adapters import describe_state
 from .adapters.modules import model_state
 from .dist import Comm, get_comm
 from .engine.bounds import check_files_hold, read_limited, read_range
-from .engine.consolidate import INDEX_FILE, SINGLE_FILE
+from .engine.outputs import INDEX_FILE, SINGLE_FILE
 from .engine.reader import Reader
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, StorageError
 from .format import strict_json

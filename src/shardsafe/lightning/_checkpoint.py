@@ -33,7 +33,7 @@ from ..api import load_model_and_more, model_and_optim_values
 from ..checkpointer import Checkpointer
 from ..dist import get_comm
 from ..engine.bounds import check_files_hold
-from ..engine.consolidate import _Output
+from ..engine.outputs import OutputFile
 from ..engine.reader import Reader
 from ..engine.writer import save_state
 from ..errors import CheckpointError, CorruptCheckpointError, MissingKeyError
@@ -187,7 +187,7 @@ def consolidate(
     check_arg("consolidate", "knobs", knobs, Knobs, optional=True)
     knobs = knobs or KNOBS
     show = progress_callback(progress, "consolidate")
-    output = _Output(os.fspath(out), overwrite=overwrite, knobs=knobs) if out is not None else None  # refuses an existing one first
+    output = OutputFile(os.fspath(out), overwrite=overwrite, knobs=knobs) if out is not None else None  # refuses an existing one first
     storage: Storage | None = None
     meta: StorageMetadata | None = None
     if is_lightning_dcp_folder(dir):
