@@ -15,7 +15,8 @@ Then the directory must load bit-exact as the winner's state (or the previous on
 won), pass ``verify`` (no file it names is missing), and hold no litter. Outcomes besides
 ``ok``: ``both-won``, ``none-won``, ``split-job`` (ranks of one job disagree), ``not-refused``,
 ``lost-checkpoint``, ``silent-wrong-data``, ``verify-failed``, ``litter``,
-``foreign-exception:<type>``, ``hang``.
+``foreign-exception:<type>``, ``hang`` (a job, or the check of the directory, did not finish),
+``worker-crash`` (the check's worker died).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from .kill import litter
 from .paths import run_path
 from .report import Report
-from .sandbox import Sandbox, campaign
+from .sandbox import Result, Sandbox, campaign
 from .states import Case, save_case, truth_files, write_state_truth
 
 __all__ = ["MODES", "racer", "run_race"]
@@ -149,14 +150,21 @@ def _check_dir(box: Sandbox, directory: str, accept: list[int], truths: dict[int
         roots = [directory, out, *truth_files(case)]
         res = box.call(run_path, case, "unshard", out, roots=roots)
         if res.kind != "returned":
-            return [f"lost-checkpoint ({res.error_type}: {res.message[:300]})"]
+            return [_failed("lost-checkpoint", res)]
         if not res.value:
             res = box.call(run_path, case, "verify", out, roots=roots)
             if res.kind != "returned":
-                return [f"verify-failed ({res.error_type}: {res.message[:300]})"]
+                return [_failed("verify-failed", res)]
             extra = litter(directory, Checkpointer().get_metadata(directory, no_dist=True).data_files())
             return [f"litter ({extra})"] if extra else []
     return [f"silent-wrong-data ({res.value})"]
+
+
+def _failed(outcome: str, res: Result) -> str:
+    """The outcome of a check whose call did not return: ``outcome`` only if the library raised;
+    a check that hung or whose worker died says nothing about the directory, and is named so."""
+    kind = {"raised": outcome, "hang": "hang", "crashed": "worker-crash"}[res.kind]
+    return f"{kind} ({res.error_type}: {res.message[:300]})"
 
 
 def run_race(trials: int, seed: int, *, workdir: str | None = None, timeout: float = 120.0) -> Report:
