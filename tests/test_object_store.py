@@ -36,7 +36,7 @@ from shardsafe.knobs import KNOBS
 from shardsafe.storage import ObjectStoreOptions, open_storage
 from shardsafe.storage.object_store import ObjectStorage
 
-from .distributed import run_ranks
+from .helpers import run_ranks
 from .racing import race_puts
 from .servers import AZURITE_ACCOUNT, AZURITE_KEY, CLOUDS, Cloud, azure_blob_names, cloud, fresh, s3_multipart_uploads
 

@@ -60,7 +60,7 @@ EXACT_POINTS = [
 
 
 def _start(world: int, root: str, plan: dict[str, Any]) -> list:
-    from ..distributed import free_port
+    from ..helpers import free_port
 
     port = free_port()
     procs = [CONTEXT.Process(target=child, args=(r, world, port, root, plan), daemon=True) for r in range(world)]

@@ -95,7 +95,7 @@ def _job_outcome(ranks: list[dict[str, Any]] | str) -> str:
 
 
 def _run_jobs(trial: str, directory: str, mode: str, versions: tuple[int, int], timeout: float) -> tuple[list[Any], list[str]]:
-    from ..distributed import run_ranks
+    from ..helpers import run_ranks
 
     barrier = os.path.join(trial, "barrier")
     os.makedirs(barrier)

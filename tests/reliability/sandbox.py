@@ -35,11 +35,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..helpers import Watchdog
 from .report import Report
 
 __all__ = ["CONTEXT", "Result", "Sandbox"]
 
-# forkserver children start in milliseconds with torch already imported (the same preload as tests/distributed.py)
+# forkserver children start in milliseconds with torch already imported (the same preload as tests/helpers.py)
 CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardsafe"])
 
@@ -58,7 +59,6 @@ _PATH_EVENTS = {
     "os.chmod": (0,),
 }
 _MODULE_FILES = (".py", ".pyc", ".so", ".pth", ".typed")
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -224,39 +224,15 @@ class Sandbox:
         self._stop(kill=True)
         return why
 
-    def _progress(self) -> tuple[float, bool]:
-        """CPU seconds the worker has used so far (every thread), and whether any of its threads
-        is runnable, in disk wait or stopped (``R``, ``D``, ``T``): on a loaded machine such a
-        worker is waiting for the machine, not for something that does not come."""
-        cpu, active = 0.0, False
-        try:
-            tasks = os.listdir(f"/proc/{self._proc.pid}/task")
-        except OSError:
-            return cpu, active
-        for tid in tasks:
-            try:
-                with open(f"/proc/{self._proc.pid}/task/{tid}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()
-            except OSError:
-                continue
-            active = active or fields[0] in ("R", "D", "T", "t")
-            cpu += (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
-        return cpu, active
-
     def _watch(self, cpu_budget: float) -> str | None:
         """Wait until the worker has something to say (None), or return why it never will: it used
-        ``cpu_budget + grace`` seconds of CPU, or it has used none, with every thread asleep, for
-        ``grace`` seconds of wall time."""
-        cpu0 = last = self._progress()[0]
-        idle_since = time.monotonic()
+        ``cpu_budget + grace`` seconds of CPU, or every thread of it slept without using CPU for
+        ``grace`` seconds of wall time (:class:`tests.helpers.Watchdog`)."""
+        watch = Watchdog([self._proc.pid], idle_s=self.grace, cpu_s=cpu_budget + self.grace)
         while not self._conn.poll(0.1):
-            (cpu, active), now = self._progress(), time.monotonic()
-            if cpu > last or active:
-                last, idle_since = cpu, now
-            if cpu - cpu0 > cpu_budget + self.grace:
-                return f"no answer after {cpu - cpu0:.1f} s of CPU time (killed)"
-            if now - idle_since > self.grace:
-                return f"no answer, and every thread asleep without using CPU for {self.grace} s (killed)"
+            why = watch.check()
+            if why is not None:
+                return f"no answer: {why} (killed)"
         return None
 
     def _stop(self, kill: bool) -> None:
