@@ -28,6 +28,7 @@ import queue as queue_mod
 import random
 import shutil
 import socket
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
@@ -39,7 +40,7 @@ import torch
 
 __all__ = [
     "CTX", "Watchdog", "assert_bits", "assert_same", "bits", "built_once", "dcp_failure", "device_mesh", "dtensor", "flip_byte", "free_port", "full_tensor",
-    "placements",
+    "placements", "run_process",
     "megatron_cuts", "megatron_reshard", "megatron_torch_dist_save", "megatron_truth", "run_ranks",
 ]
 
@@ -213,6 +214,31 @@ class Watchdog:
         if now - self.idle_since > self.idle_s:
             return f"every thread slept without using CPU for {self.idle_s} s"
         return None
+
+
+def run_process(args: list[str], *, timeout: float = 120.0, check: bool = False, capture_output: bool = False,
+                **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run`` whose ``timeout`` bounds a hang (the :class:`Watchdog`'s rules: the process
+    and its children slept without CPU for ``timeout`` s, or used 4 x ``timeout`` s of CPU),
+    not the wall time a loaded machine makes it take. Raises ``subprocess.TimeoutExpired`` on a hang."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with subprocess.Popen(args, **kwargs) as proc:
+        watch = Watchdog([proc.pid], idle_s=timeout, cpu_s=4 * timeout)
+        while True:
+            try:
+                out, err = proc.communicate(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                why = watch.check()
+                if why is not None:
+                    proc.kill()
+                    out, err = proc.communicate()
+                    raise subprocess.TimeoutExpired(args, timeout, output=out, stderr=f"{err or ''}\n(hung: {why})") from None
+    done = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
 
 
 # ------------------------------------------------------------------ rank spawning

@@ -23,7 +23,6 @@ import multiprocessing as mp
 import os
 import resource
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -37,7 +36,7 @@ from shardsafe import Checkpointer, CheckpointError, IncompleteCheckpointError, 
 from shardsafe.knobs import KNOBS, Knobs
 from shardsafe.storage import open_storage
 
-from .helpers import dtensor, free_port, full_tensor, run_ranks
+from .helpers import dtensor, free_port, full_tensor, run_process, run_ranks
 from .servers import fresh
 from .training import assert_states_match, build, full_state, train_step
 
@@ -587,7 +586,7 @@ def test_a_process_that_exits_with_a_save_in_flight_commits_it_first(tmp_path):
     path = str(tmp_path / "c")
     src = os.path.dirname(os.path.dirname(shardsafe.__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, ROOT]), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, path], env=env, capture_output=True, text=True, timeout=120)
+    out = run_process([sys.executable, "-c", EXIT_SCRIPT, path], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "returned", out.stderr[-3000:]
     got = Checkpointer().unshard(path)
     assert torch.equal(got["w"], torch.randn(4096, 4096, generator=torch.Generator().manual_seed(11))) and got["step"] == 9

@@ -21,12 +21,12 @@ from shardsafe import Checkpointer, DtypeMismatchError, MissingKeyError, ShapeMi
 from shardsafe.cli import main, parse_size
 
 from .cli_helpers import ENV, ROOT, data_file, hf_folder, small_model
-from .helpers import run_ranks
+from .helpers import run_process, run_ranks
 from .terminal import on_a_pty
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardsafe", *map(str, args)], capture_output=True, text=True, env=ENV, timeout=120)
+    return run_process([sys.executable, "-m", "shardsafe", *map(str, args)], capture_output=True, text=True, env=ENV, timeout=120)
 
 
 def _state(seed: int = 0) -> dict:
@@ -708,10 +708,10 @@ def test_cli_and_hf_on_s3(s3, tmp_path, capsys):
     assert "not a committed checkpoint" in capsys.readouterr().err
     # the console script itself, in a process of its own, configured by the standard AWS variables
     env = {**os.environ, "PYTHONPATH": ENV["PYTHONPATH"]}
-    r = subprocess.run([sys.executable, "-m", "shardsafe", "inspect", url, "--json"], capture_output=True, text=True, env=env, timeout=120)
+    r = run_process([sys.executable, "-m", "shardsafe", "inspect", url, "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["tensors"]) == set(state)
-    r = subprocess.run([sys.executable, "-m", "shardsafe", "verify", url + "-missing"], capture_output=True, text=True, env=env, timeout=120)
+    r = run_process([sys.executable, "-m", "shardsafe", "verify", url + "-missing"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "not a committed checkpoint" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -809,6 +809,6 @@ def test_importing_shardsafe_does_not_import_dtensor():
     )
     from .helpers import free_port
 
-    out = subprocess.run([sys.executable, "-c", code % free_port()], capture_output=True, text=True, timeout=120)
+    out = run_process([sys.executable, "-c", code % free_port()], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["(2,", "3)", "1"]

@@ -10,7 +10,6 @@ import json
 import os
 import queue as queue_mod
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ import shardsafe
 from shardsafe import Checkpointer
 from shardsafe.knobs import KNOBS
 
-from .helpers import CTX, free_port, run_ranks
+from .helpers import CTX, free_port, run_process, run_ranks
 
 FAST = dataclasses.replace(KNOBS, collective_timeout_s=3)  # hang tests must end fast
 HANG = 40.0  # run_ranks timeout: a test that hangs (the bugs fixed here) fails instead
@@ -492,7 +491,7 @@ def test_processes_that_exit_right_after_a_load_never_abort(tmp_path, ws, runs):
     src = os.path.dirname(os.path.dirname(shardsafe.__file__))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, root])}
-    out = subprocess.run(
+    out = run_process(
         [sys.executable, "-m", "tests.load_exit_runs", path, str(runs), str(ws)],
         cwd=root, env=env, capture_output=True, text=True, timeout=120,
     )

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from .helpers import CTX, Watchdog, assert_bits, assert_same, bits, built_once, flip_byte, run_ranks
+from .helpers import CTX, Watchdog, assert_bits, assert_same, bits, built_once, flip_byte, run_process, run_ranks
 
 
 def test_bits_tell_apart_what_equality_hides() -> None:
@@ -163,3 +163,14 @@ class _Factory:
 
 def _use_built(base: Path, name: str, counter: str) -> None:
     built_once(_Factory(base), name, lambda p: _build(Path(counter), p))
+
+
+def test_run_process_returns_what_subprocess_run_does_and_stops_a_hung_process() -> None:
+    done = run_process([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"],
+                       capture_output=True, text=True)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+    with pytest.raises(subprocess.CalledProcessError):
+        run_process([sys.executable, "-c", "raise SystemExit(1)"], check=True)
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_process([sys.executable, "-c", "import time; time.sleep(3600)"], timeout=1.0, capture_output=True, text=True)
+    assert info.value.stderr.endswith("(hung: every thread slept without using CPU for 1.0 s)")

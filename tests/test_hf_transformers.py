@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,8 @@ import pytest
 import torch
 
 import shardsafe
+
+from .helpers import run_process
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (it is in the 'test' extra)")
 
@@ -40,7 +41,7 @@ def test_export_loads_with_transformers_from_pretrained(tmp_path):
     ck = tmp_path / "ck"
     shardsafe.Checkpointer().save(ck, {**{"model." + k: v for k, v in sd.items()}, "step": 7})
     out = tmp_path / "hf"
-    r = subprocess.run(
+    r = run_process(
         [sys.executable, "-m", "shardsafe", "export", str(ck), str(out), "--prefix", "model.", "--max-shard-size", "40KB", "--json"],
         capture_output=True, text=True, env=ENV, timeout=120,
     )

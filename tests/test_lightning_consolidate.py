@@ -9,7 +9,6 @@ import io
 import json
 import logging
 import os
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -24,7 +23,7 @@ from shardsafe import CheckpointExistsError, CorruptCheckpointError, MissingKeyE
 from shardsafe.cli import main
 from shardsafe.lightning._torch_file import LazyTensor, save_streamed
 
-from .helpers import assert_same, run_ranks
+from .helpers import assert_same, run_process, run_ranks
 from .simulate import simulate_save
 from .terminal import on_a_pty
 
@@ -238,7 +237,7 @@ def test_streamed_peak_memory_is_about_the_largest_tensor_not_the_checkpoint(tmp
     largest, total = 10 * _MiB, 200 * _MiB
     # in a process of its own, streamed first (the in-memory path's freed memory would hide its peak)
     args = [sys.executable, "-c", _MEASURE, ckpt, str(tmp_path / "streamed.pt"), str(tmp_path / "in_memory.pt")]
-    r = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=120)
+    r = run_process(args, capture_output=True, text=True, env=ENV, timeout=120)
     assert r.returncode == 0, r.stderr
     growth = json.loads(r.stdout)
     streamed, in_memory = growth["streamed"], growth["in_memory"]
