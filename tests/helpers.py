@@ -364,6 +364,7 @@ def built_once(tmp_path_factory: Any, name: str, build: Callable[[str], None]) -
     shared = Path(root) / "built-once"
     shared.mkdir(exist_ok=True)
     path, done = shared / name, shared / f"{name}.done"
+    path.parent.mkdir(parents=True, exist_ok=True)  # a name may hold folders ("megatron/iter_0000007")
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():

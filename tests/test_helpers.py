@@ -146,11 +146,15 @@ def test_built_once_builds_once_per_run_and_again_after_a_failed_build(tmp_path_
         os.makedirs(p)
         raise RuntimeError("interrupted")
 
+    nested = built_once(tmp_path_factory, f"{name}-dir/iter_0000007", lambda p: _build(counter, p))
+    assert nested.endswith(f"{name}-dir/iter_0000007") and Path(nested, "x").read_text() == "made"
+    assert counter.read_text() == "built\nbuilt\n"
+
     other = name + "-b"
     with pytest.raises(RuntimeError, match="interrupted"):
         built_once(tmp_path_factory, other, half)
     again = built_once(tmp_path_factory, other, lambda p: _build(counter, p))
-    assert Path(again, "x").read_text() == "made" and counter.read_text() == "built\nbuilt\n"
+    assert Path(again, "x").read_text() == "made" and counter.read_text() == "built\nbuilt\nbuilt\n"
 
 
 class _Factory:

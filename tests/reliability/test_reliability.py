@@ -11,6 +11,7 @@ from typing import Any
 
 from . import race
 from .campaigns import FAST, SEED
+from .corrupt import KINDS as DAMAGE_KINDS
 from .corrupt import run_corrupt
 from .fuzz_metadata import run_fuzz
 from .kill import run_kill
@@ -28,6 +29,7 @@ def test_every_damaged_byte_is_detected_by_every_read_path_that_returns_it(tmp_p
     report = run_corrupt(FAST["corrupt"], SEED, workdir=str(tmp_path))
     assert report.trials == FAST["corrupt"]
     assert report.counts["detected"] > 0
+    assert {p.split("/")[0] for p in report.by_path if "/" in p} == set(DAMAGE_KINDS)  # every kind of damage ran
     assert report.bad == {}, report.failure_message()
 
 
