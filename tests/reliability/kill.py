@@ -177,7 +177,7 @@ def _check_dir(box: Sandbox, root: str, kind: str, name: str, committed: int | N
         case = Case(kind, d, loaded, True, truths[(kind, loaded)])
         res = box.call(run_path, case, "verify", out, roots=[d, out, *truth_files(case)])
         if res.kind != "returned":
-            found.append(("verify-failed", f"{res.error_type}: {res.message}"))
+            found.append((res.failure("verify-failed"), f"{res.error_type}: {res.message}"))
     # the save after the crash, into the same directory
     res = box.call(resave, d, NEXT_VERSION, loaded is not None, roots=[d])
     if res.kind != "returned":

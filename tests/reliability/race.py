@@ -30,7 +30,7 @@ from typing import Any
 from .kill import litter
 from .paths import run_path
 from .report import Report
-from .sandbox import Result, Sandbox, campaign
+from .sandbox import Sandbox, campaign
 from .states import Case, save_case, truth_files, write_state_truth
 
 __all__ = ["MODES", "racer", "run_race"]
@@ -150,21 +150,14 @@ def _check_dir(box: Sandbox, directory: str, accept: list[int], truths: dict[int
         roots = [directory, out, *truth_files(case)]
         res = box.call(run_path, case, "unshard", out, roots=roots)
         if res.kind != "returned":
-            return [_failed("lost-checkpoint", res)]
+            return [f"{res.failure('lost-checkpoint')} ({res.error_type}: {res.message[:300]})"]
         if not res.value:
             res = box.call(run_path, case, "verify", out, roots=roots)
             if res.kind != "returned":
-                return [_failed("verify-failed", res)]
+                return [f"{res.failure('verify-failed')} ({res.error_type}: {res.message[:300]})"]
             extra = litter(directory, Checkpointer().get_metadata(directory, no_dist=True).data_files())
             return [f"litter ({extra})"] if extra else []
     return [f"silent-wrong-data ({res.value})"]
-
-
-def _failed(outcome: str, res: Result) -> str:
-    """The outcome of a check whose call did not return: ``outcome`` only if the library raised;
-    a check that hung or whose worker died says nothing about the directory, and is named so."""
-    kind = {"raised": outcome, "hang": "hang", "crashed": "worker-crash"}[res.kind]
-    return f"{kind} ({res.error_type}: {res.message[:300]})"
 
 
 def run_race(trials: int, seed: int, *, workdir: str | None = None, timeout: float = 120.0) -> Report:

@@ -74,6 +74,11 @@ class Result:
     outside: list[str] = field(default_factory=list)  # accesses outside the call's roots
     seconds: float = 0.0  # wall time, for reports; no outcome depends on it
 
+    def failure(self, outcome: str) -> str:
+        """The outcome of a check whose call did not return: ``outcome`` if the call raised; a call
+        that hung or whose worker died says nothing about what it checked, and is named so."""
+        return {"raised": outcome, "hang": "hang", "crashed": "worker-crash"}[self.kind]
+
 
 class CallTimeout(BaseException):
     """Raised in the worker when a call runs past its time."""
