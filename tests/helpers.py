@@ -244,7 +244,7 @@ def run_process(args: list[str], *, timeout: float = 120.0, check: bool = False,
 # ------------------------------------------------------------------ rank spawning
 
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "torch.distributed", "shardsafe"])
+CTX.set_forkserver_preload(["torch", "torch.distributed", "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify"])  # shardsafe imports its parts on first use
 
 
 _PORTS = (20000, 32000)  # below the kernel's ephemeral range (32768-60999 here), which client sockets take ports from

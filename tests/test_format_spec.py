@@ -37,7 +37,10 @@ from shardsafe.knobs import Knobs
 from .helpers import assert_bits, flip_byte, run_ranks
 from .sealing import seal
 from .simulate import simulate_save
-from .spec_reader import SpecError, decode_runs, digest, entry_name, read_checkpoint, table_chunks
+from .spec_reader import MIN_ENTRY, SpecError, decode_runs, digest, entry_name, read_checkpoint, table_chunks
+
+# ---------------------------------------------------------------------------------------------
+# Helpers and the tensors to save
 
 
 def assert_state_equal(got: dict, want: dict) -> None:
@@ -646,3 +649,42 @@ def test_v3_flipped_byte_in_metadata_json(blocks_ckpt, tmp_path):
     with open(os.path.join(path, "metadata.json"), "wb") as fh:
         fh.write(raw[:pos] + bytes([raw[pos] ^ 0x10]) + raw[pos + 1 :])
     _both_refuse(path, "metadata.json: checksum mismatch", shardsafe.CorruptCheckpointError, "checksum mismatch: metadata_checksum says")
+
+
+# --- issue 22 item 8: the bounds of §8, followed by this reader and by shardsafe alike -------------
+
+
+def test_both_refuse_a_dimension_of_2_62_or_more_beside_a_zero(sharded_ckpt, tmp_path):
+    path = _copy(sharded_ckpt, tmp_path)
+    meta = _metadata(path)
+    meta["tensors"]["e"] = {"shape": [0, 2**70], "dtype": "float32", "is_sharded": False,
+                            "table": {"count": 0, "file": [], "offset": [[], []], "length": [[], []]}}
+    _write_metadata(path, meta)
+    _both_refuse(path, r"e: shape \[0, 1180591620717411303424\] has more than 64 dimensions or a dimension outside",
+                 shardsafe.CorruptCheckpointError, r"a dimension of 2\*\*62 or more", read="unshard")
+
+
+def test_both_refuse_a_sealed_dtype_change(sharded_ckpt, tmp_path):
+    path = _copy(sharded_ckpt, tmp_path)
+    meta = _metadata(path)
+    key = next(k for k, t in meta["tensors"].items() if t["dtype"] == "float32")
+    meta["tensors"][key]["dtype"] = "int32"
+    _write_metadata(path, meta)
+    _both_refuse(path, "the entry is F32", shardsafe.CorruptCheckpointError, "holds dtype F32 by the file's header, metadata.json says I32",
+                 read="unshard")
+
+
+def test_both_refuse_more_chunks_checked_one_by_one_than_the_bound(sharded_ckpt, tmp_path):
+    # 80000 chunks in a staircase whose second chunk of each row overlaps the first: not box by box
+    path = _copy(sharded_ckpt, tmp_path)
+    meta = _metadata(path)
+    n = 40_000
+    meta["file_table"][0]["header_bytes"] = meta["file_table"][0]["size"] = MIN_ENTRY * (2 * n + 100)
+    meta["tensors"]["s"] = {"shape": [n, n + 1], "dtype": "uint8", "is_sharded": True, "table": {
+        "count": 2 * n, "file": [[0, 0, 2 * n]],
+        "offset": [[[0, 1, n], [0, 1, n]], [[0, 0, n], [0, 1, n]]],
+        "length": [[[1, 0, n], [1, 0, n]], [[1, 1, n], [n, -1, n]]],
+    }}
+    _write_metadata(path, meta)
+    _both_refuse(path, "80000 chunks that do not tile box by box, more than are checked one by one",
+                 shardsafe.CorruptCheckpointError, r"its 80000 chunks do not tile its shape \[40000, 40001\] box by box")
