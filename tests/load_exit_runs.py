@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 import shardsafe  # noqa: E402
 
-from .distributed import free_port  # noqa: E402
+from .helpers import free_port  # noqa: E402
 
 KEYS = 8
 

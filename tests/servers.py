@@ -40,8 +40,8 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import pytest
 
-from .distributed import free_port
 from .faulty_proxy import FaultyProxy, Response
+from .helpers import free_port
 
 __all__ = ["AZURITE_ACCOUNT", "AZURITE_KEY", "Cloud", "GcsXmlShim", "azure_cloud", "gcs_cloud", "s3_cloud"]
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from shardsafe import ShardedTensor
 from shardsafe.adapters import describe_state
 from shardsafe.engine.file_index import bind_files
 from shardsafe.engine.staging import StagingRing, aligned, live_units, stage
@@ -46,3 +49,22 @@ def _units(items, local, knobs, staged: bool):
     units: list = []
     stage(items, local, ring, _unit_bytes(knobs, ring.capacity), units.append)
     return units
+
+
+TWO_RANK_SIZES = [(300, 64), (1000, 128), (20, 20), (514, 8)]
+
+
+def two_rank_checkpoint(tmp_path, dims: list[int]) -> tuple[str, dict[str, torch.Tensor]]:
+    """The tensors of ``TWO_RANK_SIZES``, tensor i saved by 2 ranks sharded on ``dims[i]``."""
+    g = torch.Generator().manual_seed(3)
+    full = {f"t{i}": torch.randn(s, generator=g) for i, s in enumerate(TWO_RANK_SIZES)}
+    ranks = [
+        {
+            k: ShardedTensor.from_rank_offsets(k, v.chunk(2, dim=dims[i])[r].clone(), (dims[i], r, 2))
+            for i, (k, v) in enumerate(full.items())
+        }
+        for r in range(2)
+    ]
+    d = str(tmp_path / "c")
+    simulate_save(d, ranks)
+    return d, full

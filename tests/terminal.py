@@ -9,6 +9,8 @@ import struct
 import subprocess
 import termios
 
+from .helpers import run_process
+
 __all__ = ["on_a_pty"]
 
 
@@ -17,7 +19,7 @@ def on_a_pty(args: list[str], env: dict[str, str]) -> tuple[subprocess.Completed
     primary, secondary = os.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide: tqdm draws nothing
     try:
-        r = subprocess.run(args, stdout=subprocess.PIPE, stderr=secondary, env=env, timeout=120)
+        r = run_process(args, stdout=subprocess.PIPE, stderr=secondary, env=env, timeout=120)
         os.close(secondary)
         err = b""
         while True:

@@ -27,8 +27,8 @@ import shardsafe
 from shardsafe import api
 from shardsafe.format.file_index import SUMS_ENTRY
 
-from .distributed import run_ranks
-from .test_api import _assert_same, _build, _cfg, _train_step, full_state
+from .helpers import run_ranks
+from .training import assert_states_match, build, full_state, llama_cfg, train_step
 
 # one worker runs the whole module, so its module-scoped checkpoints and ws2 sessions are made once
 pytestmark = pytest.mark.xdist_group("api_edges")
@@ -41,11 +41,11 @@ WRAPPER_PARTS = ("module.", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"
 
 
 def _model(kind="plain", ws=1, seed=0):
-    return _build(kind, ws, seed)[0]  # its AdamW is dropped: tests pick their optimizer
+    return build(kind, ws, seed)[0]  # its AdamW is dropped: tests pick their optimizer
 
 
 def _optim(model, kind):
-    from tiny_llama import make_optimizer
+    from examples.tiny_llama import make_optimizer
 
     return make_optimizer(model, kind)
 
@@ -66,7 +66,7 @@ def _trained(kind="plain", ws=1, opt="adamw", steps=2):
     model = _model(kind, ws)
     optim = _optim(model, opt)
     for s in range(steps):
-        _train_step(model, optim, s)
+        train_step(model, optim, s)
     _retune(optim)
     return model, optim
 
@@ -128,7 +128,7 @@ def test_optimizer_round_trip_into_fresh_optimizer(tmp_path, opt):
     assert _groups_hp(optim2) != _groups_hp(optim)  # the retuned hyper-parameters really differ
     shardsafe.load_model_and_optim_state(str(tmp_path), model2, optim2)
 
-    _assert_same(full_state(model2, optim2), truth, True, f"{opt}: loaded")  # tensors, step, groups
+    assert_states_match(full_state(model2, optim2), truth, True, f"{opt}: loaded")  # tensors, step, groups
     assert _groups_hp(optim2) == _groups_hp(optim)
     assert [g["lr"] for g in optim2.param_groups] == [2e-4, 4e-4]
     for g in optim2.param_groups:
@@ -144,9 +144,9 @@ def test_optimizer_round_trip_into_fresh_optimizer(tmp_path, opt):
         if "step" in want_state:
             assert optim2.state[p]["step"].item() == 2.0
     # the restored optimizer steps exactly as the original (the hyper-parameters are in use)
-    _train_step(model, optim, 5)
-    _train_step(model2, optim2, 5)
-    _assert_same(full_state(model2, optim2), full_state(model, optim), True, f"{opt}: a step after loading")
+    train_step(model, optim, 5)
+    train_step(model2, optim2, 5)
+    assert_states_match(full_state(model2, optim2), full_state(model, optim), True, f"{opt}: a step after loading")
 
 
 # --- 2. stored names, single process --------------------------------------------------------
@@ -196,10 +196,10 @@ def test_load_is_in_place(tmp_path, opt):
     model, optim = _trained(opt=opt)
     truth = full_state(model, optim)
     shardsafe.save_model_and_optim_state(str(tmp_path), model, optim)
-    _train_step(model, optim, 3)  # values move away from the checkpoint
+    train_step(model, optim, 3)  # values move away from the checkpoint
     before, ids = _ptrs(model, optim), _state_ids(optim)
     shardsafe.load_model_and_optim_state(str(tmp_path), model, optim)
-    _assert_same(full_state(model, optim), truth, True, "loaded in place")
+    assert_states_match(full_state(model, optim), truth, True, "loaded in place")
     assert _ptrs(model, optim) == before  # nothing reallocated: no second copy anywhere
     assert _state_ids(optim) == ids  # the optimizer keeps its own state tensors
 
@@ -273,9 +273,9 @@ def test_extra_model_key_in_checkpoint(tmp_path):
         shardsafe.load_model_and_optim_state(str(tmp_path), model2, optim2)
     assert type(e.value) is shardsafe.CheckpointError
     assert not optim2.state  # refused up front: nothing was loaded
-    _assert_same(model2.state_dict(), untouched, True, "refused load")
+    assert_states_match(model2.state_dict(), untouched, True, "refused load")
     shardsafe.load_model_and_optim_state(str(tmp_path), model2, optim2, validate=False)
-    _assert_same(full_state(model2, optim2), truth, True, "validate=False")
+    assert_states_match(full_state(model2, optim2), truth, True, "validate=False")
 
 
 def test_extra_parameter_in_checkpoint_optimizer(tmp_path):
@@ -283,7 +283,7 @@ def test_extra_parameter_in_checkpoint_optimizer(tmp_path):
     model = _model()
     model.extra = torch.nn.Parameter(torch.randn(5))
     optim = _optim(model, "adamw")
-    _train_step(model, optim, 0)
+    train_step(model, optim, 0)
     saved_truth = full_state(model, optim)
     shardsafe.save_model_and_optim_state(str(tmp_path), model, optim)
 
@@ -293,7 +293,7 @@ def test_extra_parameter_in_checkpoint_optimizer(tmp_path):
         shardsafe.load_model_and_optim_state(str(tmp_path), model2, optim2)
     shardsafe.load_model_and_optim_state(str(tmp_path), model2, optim2, validate=False)
     truth = {k: v for k, v in saved_truth.items() if ".extra" not in k}
-    _assert_same(full_state(model2, optim2), truth, True, "validate=False, parameter dropped")
+    assert_states_match(full_state(model2, optim2), truth, True, "validate=False, parameter dropped")
 
     model3 = _model(seed=7)  # the model keeps it, the optimizer does not (frozen): only group 0 differs
     optim3 = _optim(model3, "adamw")
@@ -305,7 +305,7 @@ def test_extra_parameter_in_checkpoint_optimizer(tmp_path):
         shardsafe.load_model_and_optim_state(str(tmp_path), model3, optim3)
     shardsafe.load_model_and_optim_state(str(tmp_path), model3, optim3, validate=False)
     truth = {k: v for k, v in saved_truth.items() if not k.startswith("optim.extra.")}
-    _assert_same(full_state(model3, optim3), truth, True, "validate=False, parameter frozen")
+    assert_states_match(full_state(model3, optim3), truth, True, "validate=False, parameter frozen")
     assert torch.equal(model3.extra, saved_truth["model.extra"]) and model3.extra not in optim3.state
 
 
@@ -348,7 +348,7 @@ def test_optimizer_into_checkpoint_without_one(tmp_path):
     with pytest.raises(shardsafe.CheckpointError, match="no optimizer state in the checkpoint"):
         shardsafe.unshard_optim_state(str(tmp_path))
     shardsafe.load_model_and_optim_state(str(tmp_path), model2)  # the model alone loads
-    _assert_same(model2.state_dict(), model.state_dict(), True, "model only")
+    assert_states_match(model2.state_dict(), model.state_dict(), True, "model only")
 
 
 def test_optimizer_of_another_class(saved):
@@ -383,9 +383,9 @@ def test_optimizer_with_a_foreign_parameter(saved, tmp_path):
 
 def test_model_of_another_shape(saved):
     path, _ = saved
-    from tiny_llama import Transformer
+    from examples.tiny_llama import Transformer
 
-    model = Transformer(dataclasses.replace(_cfg(), vocab_size=128))
+    model = Transformer(dataclasses.replace(llama_cfg(), vocab_size=128))
     with pytest.raises(
         shardsafe.ShapeMismatchError,
         match=r"'model.tok_embeddings.weight': checkpoint has global shape \[256, 64\], target has \[128, 64\]",
@@ -470,12 +470,12 @@ def _fsdp2_ddp_session(rank, ws, base):
     model, optim = _trained("fsdp2", ws, "sgd")
     truth = _save_with_truth(rank, path, model, optim)
 
-    _train_step(model, optim, 3)  # values move away from the checkpoint
+    train_step(model, optim, 3)  # values move away from the checkpoint
     before, ids = _ptrs(model, optim), _state_ids(optim)
     assert all(hasattr(p, "to_local") for p in model.parameters())
     assert all(hasattr(st["momentum_buffer"], "to_local") for st in optim.state.values())
     shardsafe.load_model_and_optim_state(path, model, optim)
-    _assert_same(full_state(model, optim), truth, True, f"fsdp2 rank {rank}: loaded in place")
+    assert_states_match(full_state(model, optim), truth, True, f"fsdp2 rank {rank}: loaded in place")
     assert _ptrs(model, optim) == before and _state_ids(optim) == ids
 
     full_model = shardsafe.unshard_model_state(path, rank0_only=True)
@@ -514,13 +514,13 @@ def _check_unsharded(full_model, full_optim, truth):
 def _fsdp1_session(rank, ws, base):
     """FSDP1: use_orig_params=False refused; the FSDP2 and DDP checkpoints load into fresh
     optimizers; an FSDP1 checkpoint is saved, then loaded back in place."""
-    from tiny_llama import Block, Transformer
+    from examples.tiny_llama import Block, Transformer
     from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
     flat = FullyShardedDataParallel(
-        Transformer(_cfg()),
+        Transformer(llama_cfg()),
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         use_orig_params=False,
         device_id=torch.device("cpu"),
@@ -542,16 +542,16 @@ def _fsdp1_session(rank, ws, base):
         optim = _optim(model, opt)
         assert not optim.state
         shardsafe.load_model_and_optim_state(path, model, optim)
-        _assert_same(full_state(model, optim), truth, True, f"{name} -> fsdp1 rank {rank}")
+        assert_states_match(full_state(model, optim), truth, True, f"{name} -> fsdp1 rank {rank}")
         assert all(type(g.get("betas", ())) is tuple for g in optim.param_groups)
 
     path = os.path.join(base, "fsdp1_adamw")
     model, optim = _trained("fsdp1", ws, "adamw", steps=1)
     truth = _save_with_truth(rank, path, model, optim)
-    _train_step(model, optim, 3)
+    train_step(model, optim, 3)
     before, ids = _ptrs(model, optim), _state_ids(optim)
     shardsafe.load_model_and_optim_state(path, model, optim)
-    _assert_same(full_state(model, optim), truth, True, f"fsdp1 rank {rank}: loaded in place")
+    assert_states_match(full_state(model, optim), truth, True, f"fsdp1 rank {rank}: loaded in place")
     assert _ptrs(model, optim) == before and _state_ids(optim) == ids
     # no state_dict_type was needed, and none was left behind: FSDP1's default is untouched
     assert FullyShardedDataParallel.get_state_dict_type(model).state_dict_type == StateDictType.FULL_STATE_DICT
@@ -590,7 +590,7 @@ def test_multi_rank_checkpoint_into_plain_process(sessions, name, opt):
     model = _model(seed=7)
     optim = _optim(model, opt)
     shardsafe.load_model_and_optim_state(path, model, optim)
-    _assert_same(full_state(model, optim), truth, True, f"{name} -> plain")
+    assert_states_match(full_state(model, optim), truth, True, f"{name} -> plain")
     if opt == "sgd":
         assert all(set(optim.state[p]) == {"momentum_buffer"} for p in model.parameters())
     assert all(type(g.get("betas", ())) is tuple for g in optim.param_groups)
@@ -675,7 +675,7 @@ def test_wrapped_model_saves_plain_names(tmp_path, how, saved):
     model = _wrap(_model(), how)
     optim = _optim(model, "adamw")
     for s in range(2):
-        _train_step(model, optim, s)
+        train_step(model, optim, s)
     _retune(optim)
     truth = full_state(model, optim)
     shardsafe.save_model_and_optim_state(str(tmp_path), model, optim)
@@ -685,16 +685,16 @@ def test_wrapped_model_saves_plain_names(tmp_path, how, saved):
         set(meta.tensors) == set(plain_meta.tensors)
         and meta.objects["optim.param_groups"][0]["params"] == plain_meta.objects["optim.param_groups"][0]["params"]
     )
-    _assert_same(truth, saved[1], True, f"{how}: trains as the plain model")  # the same training, so the same values
+    assert_states_match(truth, saved[1], True, f"{how}: trains as the plain model")  # the same training, so the same values
 
     plain = _model(seed=7)
     plain_optim = _optim(plain, "adamw")
     shardsafe.load_model_and_optim_state(str(tmp_path), plain, plain_optim)
-    _assert_same(full_state(plain, plain_optim), truth, True, f"{how} -> plain")
+    assert_states_match(full_state(plain, plain_optim), truth, True, f"{how} -> plain")
     again = _wrap(_model(seed=7), how)  # and the plain checkpoint loads into the wrapped model
     again_optim = _optim(again, "adamw")
     shardsafe.load_model_and_optim_state(saved[0], again, again_optim)
-    _assert_same(full_state(again, again_optim), saved[1], True, f"plain -> {how}")
+    assert_states_match(full_state(again, again_optim), saved[1], True, f"plain -> {how}")
     if how == "compile":
         torch._dynamo.reset()
 
@@ -711,7 +711,7 @@ def _tied(seed):
 def test_tied_weights_saved_once_and_stay_tied(tmp_path):
     model = _tied(0)
     optim = _optim(model, "adamw")
-    _train_step(model, optim, 0)
+    train_step(model, optim, 0)
     truth = full_state(model, optim)
     shardsafe.save_model_and_optim_state(str(tmp_path), model, optim)
     meta = shardsafe.Checkpointer().get_metadata(str(tmp_path))
@@ -722,7 +722,7 @@ def test_tied_weights_saved_once_and_stay_tied(tmp_path):
     optim2 = _optim(model2, "adamw")
     shardsafe.load_model_and_optim_state(str(tmp_path), model2, optim2)
     assert model2.output.weight is model2.tok_embeddings.weight
-    _assert_same(full_state(model2, optim2), truth, True, "tied")
+    assert_states_match(full_state(model2, optim2), truth, True, "tied")
     assert torch.equal(model2.output.weight, truth["model.tok_embeddings.weight"])
 
     with pytest.raises(shardsafe.MissingKeyError, match=r"\['output.weight'\]"):

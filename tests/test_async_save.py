@@ -23,7 +23,6 @@ import multiprocessing as mp
 import os
 import resource
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -37,10 +36,9 @@ from shardsafe import Checkpointer, CheckpointError, IncompleteCheckpointError, 
 from shardsafe.knobs import KNOBS, Knobs
 from shardsafe.storage import open_storage
 
-from .distributed import free_port, run_ranks
+from .helpers import dtensor, free_port, full_tensor, run_process, run_ranks
 from .servers import fresh
-from .test_api import _assert_same, _build, _train_step, full_state
-from .test_distributed import _dtensor, full_tensor
+from .training import assert_states_match, build, full_state, train_step
 
 pytestmark = pytest.mark.xdist_group("async_save")
 
@@ -244,7 +242,7 @@ def _dist_state(ws: int, version: int) -> dict:
     out = {}
     for key, (shape, placement) in DIST.items():
         name = f"{key}@{version}"
-        out[key] = full_tensor(name, shape) if placement == "plain" else _dtensor(name, shape, (ws,), [placement])
+        out[key] = full_tensor(name, shape) if placement == "plain" else dtensor(name, shape, (ws,), [placement])
     return out
 
 
@@ -314,7 +312,7 @@ def _staged_in_parts(rank, ws, root, budget):
 
 def _bulk(ws: int, version: int) -> dict:
     """3 MiB of rows on every rank, and a 2 MiB replicated tensor that is a transposed view."""
-    return {"bulk": _dtensor(f"bulk@{version}", (ws * 768, 1024), (ws,), ["S0"]), "wt": full_tensor(f"wt@{version}", (512, 1024)).t()}
+    return {"bulk": dtensor(f"bulk@{version}", (ws * 768, 1024), (ws,), ["S0"]), "wt": full_tensor(f"wt@{version}", (512, 1024)).t()}
 
 
 @pytest.mark.parametrize(("ws", "budget"), [(1, 1 << 20), (2, 1 << 20), (2, 64 << 10)], ids=["ws1-1MiB", "ws2-1MiB", "ws2-64KiB"])
@@ -331,18 +329,18 @@ def test_a_save_larger_than_the_staging_budget_is_staged_in_parts_and_says_so(tm
 
 
 def _fsdp2_train_after_async_save(rank, ws, path):
-    model, optim = _build("fsdp2", ws, seed=0)
-    _train_step(model, optim, 0)
+    model, optim = build("fsdp2", ws, seed=0)
+    train_step(model, optim, 0)
     truth = full_state(model, optim)
     h = shardsafe.async_save_model_and_optim_state(path, model, optim)
-    _train_step(model, optim, 1)  # changes every parameter and every optimizer state in place
+    train_step(model, optim, 1)  # changes every parameter and every optimizer state in place
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     files = h.wait()
-    fresh_model, fresh_optim = _build("fsdp2", ws, seed=7)
+    fresh_model, fresh_optim = build("fsdp2", ws, seed=7)
     shardsafe.load_model_and_optim_state(path, fresh_model, fresh_optim)
-    _assert_same(full_state(fresh_model, fresh_optim), truth, True, f"rank {rank}: loaded after training on")
+    assert_states_match(full_state(fresh_model, fresh_optim), truth, True, f"rank {rank}: loaded after training on")
     return [os.path.basename(f) for f in files]
 
 
@@ -388,7 +386,7 @@ LIMIT = 256 << 10  # rank 1 may not write a file larger than this: its 1 MiB dat
 
 def _rank_state(ws: int, version: int, rows_per_rank: int) -> dict:
     """A (ws * rows_per_rank, 1024) float32 tensor sharded by rows, and a step."""
-    return {"w": _dtensor(f"w@{version}", (ws * rows_per_rank, 1024), (ws,), ["S0"]), "step": version}
+    return {"w": dtensor(f"w@{version}", (ws * rows_per_rank, 1024), (ws,), ["S0"]), "step": version}
 
 
 def _limit_file_size() -> None:
@@ -540,7 +538,7 @@ def _killed_in_background_write(rank: int, ws: int, port: int, root: str) -> Non
 
 def test_kill_9_during_a_background_write_leaves_the_last_commit_and_refuses_the_new_one(tmp_path):
     root, ws = str(tmp_path), 2
-    ctx = mp.get_context("forkserver")  # torch preloaded (tests.distributed sets it up)
+    ctx = mp.get_context("forkserver")  # torch preloaded (tests.helpers sets it up)
     port = free_port()
     procs = [ctx.Process(target=_killed_in_background_write, args=(r, ws, port, root), daemon=True) for r in range(ws)]
     for p in procs:
@@ -588,7 +586,7 @@ def test_a_process_that_exits_with_a_save_in_flight_commits_it_first(tmp_path):
     path = str(tmp_path / "c")
     src = os.path.dirname(os.path.dirname(shardsafe.__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, ROOT]), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, path], env=env, capture_output=True, text=True, timeout=120)
+    out = run_process([sys.executable, "-c", EXIT_SCRIPT, path], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "returned", out.stderr[-3000:]
     got = Checkpointer().unshard(path)
     assert torch.equal(got["w"], torch.randn(4096, 4096, generator=torch.Generator().manual_seed(11))) and got["step"] == 9

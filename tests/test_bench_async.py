@@ -8,9 +8,10 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+from .helpers import run_process
 
 ROOT = Path(__file__).resolve().parent.parent
 # every method that runs on CPU but dcp-process, whose checkpoint process (another torch import per
@@ -36,7 +37,7 @@ def test_quick_run_prints_async_lines(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     args = ["--quick", "--world-sizes", "2", "--reps", "1", "--mib-per-rank", "2", "--mlp", "128,512,32",
             "--methods", ",".join(METHODS), "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_async.py"), *args],
+    out = run_process([sys.executable, str(ROOT / "benchmarks" / "bench_async.py"), *args],
                          capture_output=True, text=True, env=env, timeout=180, check=True).stdout
 
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 2 |")]

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from .helpers import run_process
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = [(op, m) for op in ("save", "load", "reshard") for m in ("plugin", "dcp", "shardsafe")] + [
@@ -33,7 +34,7 @@ def _number(text: str) -> float:
 def test_quick_run_prints_dcp_lines(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     args = ["--quick", "--reps", "1", "--mib-per-rank", "1", "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_dcp.py"), *args],
+    out = run_process([sys.executable, str(ROOT / "benchmarks" / "bench_dcp.py"), *args],
                          capture_output=True, text=True, env=env, timeout=120, check=True).stdout
 
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()

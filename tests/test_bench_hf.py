@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from .helpers import run_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ("export", "load-fsdp2-2", "load-fsdp2-4", "load-tp-2")
@@ -28,7 +29,7 @@ def _number(text: str) -> float:
 def test_quick_run_prints_hf_lines(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     args = ["--quick", "--dir", str(tmp_path / "scratch"), "--out", str(tmp_path / "out")]
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_hf.py"), *args],
+    out = run_process([sys.executable, str(ROOT / "benchmarks" / "bench_hf.py"), *args],
                          capture_output=True, text=True, env=env, timeout=120, check=True).stdout
 
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()

@@ -9,11 +9,12 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .helpers import run_process
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 
@@ -32,7 +33,7 @@ def _number(text: str, unit: str = "") -> float:
 def test_quick_run_prints_megatron_lines(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     args = ["--quick", "--methods", ",".join(METHODS), "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_megatron.py"), *args],
+    out = run_process([sys.executable, str(ROOT / "benchmarks" / "bench_megatron.py"), *args],
                          capture_output=True, text=True, env=env, timeout=240, check=True).stdout
 
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ") and not line.startswith("| operation")]

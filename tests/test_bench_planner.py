@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+from .helpers import run_process
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = (
@@ -25,7 +26,7 @@ LINE = re.compile(r"PLAN (fsdp|ddp|2d|hsdp) (~?)(\d+)x(\d+) (.*)")
 
 def test_quick_run_prints_plan_lines() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run(
+    out = run_process(
         [sys.executable, str(ROOT / "benchmarks" / "bench_planner.py"), "--quick"],
         capture_output=True,
         text=True,

@@ -20,15 +20,13 @@ import shardsafe
 from shardsafe import Checkpointer, DtypeMismatchError, MissingKeyError, ShapeMismatchError
 from shardsafe.cli import main, parse_size
 
-from .distributed import run_ranks
+from .cli_helpers import ENV, ROOT, data_file, hf_folder, small_model
+from .helpers import run_process, run_ranks
 from .terminal import on_a_pty
-
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardsafe", *map(str, args)], capture_output=True, text=True, env=ENV, timeout=120)
+    return run_process([sys.executable, "-m", "shardsafe", *map(str, args)], capture_output=True, text=True, env=ENV, timeout=120)
 
 
 def _state(seed: int = 0) -> dict:
@@ -49,11 +47,6 @@ def ckpt(tmp_path) -> Path:
     return d
 
 
-def _data_file(d: Path) -> Path:
-    (f,) = [p for p in d.iterdir() if p.suffix == ".safetensors"]
-    return f
-
-
 # ------------------------------------------------------------------ inspect
 
 
@@ -61,7 +54,7 @@ def test_inspect_prints_the_table(ckpt, capsys):
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out.splitlines()
     (entry,) = json.loads((ckpt / "metadata.json").read_bytes())["file_table"]
-    assert entry["name"] == _data_file(ckpt).name
+    assert entry["name"] == data_file(ckpt).name
     size = entry["size"]
     assert out == [
         f"checkpoint      {ckpt}",
@@ -120,7 +113,7 @@ def test_inspect_json_in_a_subprocess(ckpt):
     }
     assert doc["values"] == {"cfg": {"lr": 0.1}, "step": 3}
     assert doc["pickled_values"] == []
-    assert doc["total_bytes"] == sum(doc["files"].values()) == _data_file(ckpt).stat().st_size
+    assert doc["total_bytes"] == sum(doc["files"].values()) == data_file(ckpt).stat().st_size
 
 
 def test_missing_and_non_checkpoint_folders_exit_2_with_the_message(tmp_path):
@@ -167,7 +160,7 @@ def test_verify_corrupt_names_file_and_key(ckpt, capsys):
     key; without --all verify stops at the first bad chunk, counting what it checked up to there."""
     _corrupt(ckpt, "model.w")
     _corrupt(ckpt, "model.b")
-    bad_w = f"{_data_file(ckpt)}: key 'model.w': checksum mismatch in chunk "
+    bad_w = f"{data_file(ckpt)}: key 'model.w': checksum mismatch in chunk "
     assert main(["verify", str(ckpt)]) == 1
     got = capsys.readouterr()
     assert got.err == ""
@@ -179,13 +172,13 @@ def test_verify_corrupt_names_file_and_key(ckpt, capsys):
     assert doc == {"location": str(ckpt), "ok": False, "files": 1, "chunks": 1, "bytes": 128, "errors": [out[0].removeprefix("BAD  ")]}
     assert main(["verify", str(ckpt), "--all"]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert [ln.split(": checksum")[0] for ln in out[:2]] == [f"BAD  {_data_file(ckpt)}: key 'model.w'", f"BAD  {_data_file(ckpt)}: key 'model.b'"]
+    assert [ln.split(": checksum")[0] for ln in out[:2]] == [f"BAD  {data_file(ckpt)}: key 'model.w'", f"BAD  {data_file(ckpt)}: key 'model.b'"]
     assert out[2] == "FAILED: 2 problem(s): 1 file(s), 3 chunk(s), 174 bytes checked"  # the bad chunks' 128 + 40 bytes too
     assert main(["verify", str(ckpt), "--all", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc.keys() == {"location", "ok", "files", "chunks", "bytes", "errors"}
     assert (doc["ok"], doc["files"], doc["chunks"], doc["bytes"]) == (False, 1, 3, 174)
-    assert [e.split(": checksum")[0] for e in doc["errors"]] == [f"{_data_file(ckpt)}: key 'model.w'", f"{_data_file(ckpt)}: key 'model.b'"]
+    assert [e.split(": checksum")[0] for e in doc["errors"]] == [f"{data_file(ckpt)}: key 'model.w'", f"{data_file(ckpt)}: key 'model.b'"]
     with pytest.raises(shardsafe.CorruptCheckpointError, match=f"^{re.escape(bad_w)}"):  # the library still raises
         shardsafe.verify(ckpt)
 
@@ -469,7 +462,7 @@ def test_help_does_not_import_torch():
         "try:\n    main(['export', '--help'])\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    r = run_process([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.splitlines()[-1] == "[]"
     assert "usage: shardsafe export" in r.stdout
 
@@ -511,27 +504,11 @@ def test_console_script_is_declared_and_help_documents_commands(capsys):
 # ------------------------------------------------------------------ load_hf_safetensors
 
 
-def _model():
-    from torch import nn
-
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 10))
-
-
-def _hf_file(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A two-shard HF folder of ``_model()``'s weights, under ``net.`` (as a wrapping model's names)."""
-    sd = {f"net.{k}": v.detach().clone() * 3 for k, v in _model().state_dict().items()}
-    d = tmp_path / "ck"
-    Checkpointer().save(d, sd)
-    assert main(["export", str(d), str(tmp_path / "hf"), "--max-shard-size", "1KB", "-q"]) == 0
-    return tmp_path / "hf", sd
-
-
 def _load_fsdp2(rank, ws, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _model()
+    model = small_model()
     mesh = init_device_mesh("cpu", (ws,))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
@@ -544,7 +521,7 @@ def _load_tp(rank, ws, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _model()
+    model = small_model()
     mesh = init_device_mesh("cpu", (ws,))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     n, moved = _load_in_place(path, model)
@@ -556,7 +533,7 @@ def _load_fsdp2_tp(rank, ws, path):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _model()
+    model = small_model()
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
@@ -567,7 +544,7 @@ def _load_fsdp2_tp(rank, ws, path):
 def _load_fsdp1(rank, ws, path):
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    model = FullyShardedDataParallel(_model(), use_orig_params=True, device_id=torch.device("cpu"))
+    model = FullyShardedDataParallel(small_model(), use_orig_params=True, device_id=torch.device("cpu"))
     n, moved = _load_in_place(path, model)
     return n, {k: v.tolist() for k, v in model.state_dict().items()}, moved  # FSDP1's default: full tensors, gathered
 
@@ -575,7 +552,7 @@ def _load_fsdp1(rank, ws, path):
 def _load_ddp(rank, ws, path):
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(_model())
+    model = DistributedDataParallel(small_model())
     n, moved = _load_in_place(path, model)
     return n, {k.removeprefix("module."): v.tolist() for k, v in model.state_dict().items()}, moved
 
@@ -595,7 +572,7 @@ def _load_in_place(path, model) -> tuple[int, list[str]]:
 
 
 def _plain(rank, ws, path):
-    model = _model()
+    model = small_model()
     n, moved = _load_in_place(path, model)
     return n, {k: v.tolist() for k, v in model.state_dict().items()}, moved
 
@@ -614,7 +591,7 @@ _EXACT = {
     ids=["plain", "fsdp2", "tp", "fsdp2+tp", "fsdp1", "ddp"],
 )
 def test_load_hf_into_sharded_models_bit_exact(request, tmp_path, fn, ws):
-    path, sd = _hf_file(tmp_path)
+    path, sd = hf_folder(tmp_path)
     total = sum(v.numel() * 4 for v in sd.values())
     results = run_ranks(ws, fn, str(path)) if ws > 1 else [fn(0, 1, str(path))]
     for n, got, moved in results:
@@ -637,7 +614,7 @@ def _load_fsdp2_bytes(rank, ws, path, gap):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _model()
+    model = small_model()
     mesh = init_device_mesh("cpu", (ws,))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
@@ -653,7 +630,7 @@ def _load_tp_bytes(rank, ws, path, gap):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _model()
+    model = small_model()
     mesh = init_device_mesh("cpu", (ws,))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     knobs = dataclasses.replace(shardsafe.knobs.KNOBS, coalesce_gap_bytes=gap)
@@ -665,7 +642,7 @@ def test_load_hf_fsdp2_on_4_ranks_reads_exactly_each_share(tmp_path):
     """FSDP2 shards dim 0: 24 rows -> 6 per rank, 10 rows -> 3, 3, 3, 1. Each of a rank's pieces
     is one contiguous run of the file and reads are planned tensor by tensor, so each rank reads
     exactly its elements (4 bytes each), whatever the coalescing gap."""
-    path, sd = _hf_file(tmp_path)
+    path, sd = hf_folder(tmp_path)
     for gap in (0, shardsafe.knobs.KNOBS.coalesce_gap_bytes):
         results = run_ranks(4, _load_fsdp2_bytes, str(path), gap)
         share = [(6 * 16 + 6 + 3 * 24 + 3) * 4] * 3 + [(6 * 16 + 6 + 1 * 24 + 1) * 4]
@@ -682,7 +659,7 @@ def test_load_hf_tp_on_2_ranks_bytes_read_per_rank(tmp_path):
     bytes. With ``coalesce_gap_bytes=0`` each rank reads exactly that; with the default gap
     (64 KiB > 48 bytes) the 10 runs of ``2.weight`` are one read of the span from the first run's
     start to the last run's end, (9*24 + 12) * 4 = 912 bytes instead of 480: 1768 per rank."""
-    path, sd = _hf_file(tmp_path)
+    path, sd = hf_folder(tmp_path)
     exact = (12 * 16 + 12 + 10 * 12 + 10) * 4
     coalesced = exact - 10 * 12 * 4 + (9 * 24 + 12) * 4
     for gap, want in ((0, exact), (shardsafe.knobs.KNOBS.coalesce_gap_bytes, coalesced)):
@@ -700,7 +677,7 @@ def _load_fsdp2_tp_bytes(rank, ws, path, gap):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _model()
+    model = small_model()
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
@@ -717,7 +694,7 @@ def test_load_hf_fsdp2_tp_on_4_ranks_bytes_read_per_rank(tmp_path):
     (6*16 + 6 + 5*12 + 5) * 4 = 668 bytes, which it reads with ``coalesce_gap_bytes=0``; with the
     default gap the 5 runs are one read of (4*24 + 12) * 4 = 432 bytes instead of 240: 860 (the
     parametrized test above checks that)."""
-    path, sd = _hf_file(tmp_path)
+    path, sd = hf_folder(tmp_path)
     exact = (6 * 16 + 6 + 5 * 12 + 5) * 4
     assert exact - 5 * 12 * 4 + (4 * 24 + 12) * 4 == 860
     results = run_ranks(4, _load_fsdp2_tp_bytes, str(path), 0)
@@ -730,9 +707,9 @@ def test_load_hf_fsdp2_tp_on_4_ranks_bytes_read_per_rank(tmp_path):
 def test_load_hf_refusals(tmp_path):
     from torch import nn
 
-    path, sd = _hf_file(tmp_path)
+    path, sd = hf_folder(tmp_path)
     with pytest.raises(MissingKeyError, match=r"lacks 4 model key\(s\) the model has: \['0.weight'"):
-        shardsafe.load_hf_safetensors(path, _model())  # the file's names are under net.
+        shardsafe.load_hf_safetensors(path, small_model())  # the file's names are under net.
     with pytest.raises(shardsafe.CheckpointError, match=r"holds 2 model key\(s\) the model lacks: \['2.bias', '2.weight'\]; pass strict=False"):
         shardsafe.load_hf_safetensors(path, nn.Sequential(nn.Linear(16, 24)), prefix="net.")
     one = nn.Sequential(nn.Linear(16, 24))
@@ -741,15 +718,15 @@ def test_load_hf_refusals(tmp_path):
     with pytest.raises(ShapeMismatchError, match=r"key 'net.0.weight': checkpoint has global shape \[24, 16\], target has \[24, 17\]"):
         shardsafe.load_hf_safetensors(path, nn.Sequential(nn.Linear(17, 24)), prefix="net.", strict=False)
     with pytest.raises(DtypeMismatchError, match="checkpoint has dtype float32, target has bfloat16"):
-        shardsafe.load_hf_safetensors(path, _model().to(torch.bfloat16), prefix="net.")
+        shardsafe.load_hf_safetensors(path, small_model().to(torch.bfloat16), prefix="net.")
     with pytest.raises(shardsafe.IncompleteCheckpointError, match="not a Hugging Face safetensors model: no .safetensors file"):
-        shardsafe.load_hf_safetensors(tmp_path / "ck2", _model())
+        shardsafe.load_hf_safetensors(tmp_path / "ck2", small_model())
     index = path / "model.safetensors.index.json"
     doc = json.loads(index.read_text())
     doc["weight_map"]["net.0.bias"] = "../elsewhere.safetensors"
     index.write_text(json.dumps(doc))
     with pytest.raises(shardsafe.CorruptCheckpointError, match="names file '../elsewhere.safetensors'"):
-        shardsafe.load_hf_safetensors(path, _model(), prefix="net.")
+        shardsafe.load_hf_safetensors(path, small_model(), prefix="net.")
 
 
 # ------------------------------------------------------------------ logging
@@ -803,21 +780,6 @@ def test_pyproject_has_no_deprecations_and_help_reads_as_our_api():
 # ------------------------------------------------------------------ object store (moto S3)
 
 
-@pytest.fixture
-def s3(monkeypatch):
-    from .servers import fresh
-
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    for c in fresh("s3"):
-        for k, v in c.env.items():
-            monkeypatch.setenv(k, v)
-        yield c
-
-
 def test_cli_and_hf_on_s3(s3, tmp_path, capsys):
     url = s3.url()
     state = _big_state()
@@ -846,10 +808,10 @@ def test_cli_and_hf_on_s3(s3, tmp_path, capsys):
     assert "-missing: not a checkpoint: nothing is there" in capsys.readouterr().err
     # the console script itself, in a process of its own, configured by the standard AWS variables
     env = {**os.environ, "PYTHONPATH": ENV["PYTHONPATH"]}
-    r = subprocess.run([sys.executable, "-m", "shardsafe", "inspect", url, "--json"], capture_output=True, text=True, env=env, timeout=120)
+    r = run_process([sys.executable, "-m", "shardsafe", "inspect", url, "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["tensors"]) == set(state)
-    r = subprocess.run([sys.executable, "-m", "shardsafe", "verify", url + "-missing"], capture_output=True, text=True, env=env, timeout=120)
+    r = run_process([sys.executable, "-m", "shardsafe", "verify", url + "-missing"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "-missing: not a checkpoint: nothing is there" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -891,9 +853,9 @@ def test_export_casts_on_both_paths_and_shards_bit_exact(tmp_path, dims, dtype):
 
     from shardsafe.knobs import KNOBS
 
-    from .test_engine_consolidate import _two_ranks
+    from .simulate import two_rank_checkpoint
 
-    d, full = _two_ranks(tmp_path, dims)  # row slabs stream through the ring, column shards load whole
+    d, full = two_rank_checkpoint(tmp_path, dims)  # row slabs stream through the ring, column shards load whole
     small = dataclasses.replace(KNOBS, write_block_bytes=1 << 16)  # several blocks per tensor
     counts = shardsafe.unshard_to_safetensors(d, tmp_path / "hf", max_shard_size=300_000, dtype=dtype, knobs=small)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
@@ -907,19 +869,19 @@ def test_export_casts_on_both_paths_and_shards_bit_exact(tmp_path, dims, dtype):
 
 
 def test_load_hf_damaged_files(tmp_path):
-    path, _ = _hf_file(tmp_path)
+    path, _ = hf_folder(tmp_path)
     files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
     raw = files[0].read_bytes()
     files[0].write_bytes(raw[:-4])  # truncated: its last tensor lacks 4 bytes
     with pytest.raises(shardsafe.CorruptCheckpointError, match=rf"key 'net\.[0-9.a-z]+': .*{files[0].name}: truncated: needed bytes .* but the file has {len(raw) - 4} bytes \(its chunks in that file end at byte {len(raw)}\)"):
-        shardsafe.load_hf_safetensors(path, _model(), prefix="net.")
+        shardsafe.load_hf_safetensors(path, small_model(), prefix="net.")
     files[0].write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + raw[24:])
     with pytest.raises(shardsafe.CorruptCheckpointError, match=rf"{files[0]}: not a valid safetensors file"):
-        shardsafe.load_hf_safetensors(path, _model(), prefix="net.")
+        shardsafe.load_hf_safetensors(path, small_model(), prefix="net.")
     header = json.dumps({"net.0.bias": {"dtype": "F32", "shape": [24], "data_offsets": [0, 95]}}).encode()
     files[0].write_bytes(len(header).to_bytes(8, "little") + header + bytes(96))
     with pytest.raises(shardsafe.CorruptCheckpointError, match=r"tensor 'net.0.bias': data_offsets \[0, 95\] hold 95 bytes, shape \[24\] of torch.float32 needs 96"):
-        shardsafe.load_hf_safetensors(path, _model(), prefix="net.")
+        shardsafe.load_hf_safetensors(path, small_model(), prefix="net.")
 
 
 def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
@@ -945,8 +907,8 @@ def test_importing_shardsafe_does_not_import_dtensor():
         "(lt,), _ = describe_state({'t': t}); print(lt.shape, len(lt.pieces))\n"
         "dist.destroy_process_group()\n"
     )
-    from .distributed import free_port
+    from .helpers import free_port
 
-    out = subprocess.run([sys.executable, "-c", code % free_port()], capture_output=True, text=True, timeout=120)
+    out = run_process([sys.executable, "-c", code % free_port()], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["(2,", "3)", "1"]

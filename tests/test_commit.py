@@ -31,7 +31,7 @@ from shardsafe import Checkpointer, CheckpointExistsError, ShardedTensor
 from shardsafe.storage import open_storage
 
 from . import servers
-from .distributed import _CTX, run_ranks
+from .helpers import CTX, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 META = "metadata.json"
@@ -78,7 +78,7 @@ def _save_racing(rank: int, ws: int, location: str, options: dict, barrier: Any,
 
 def _race(location: str, options: dict, overwrite: bool) -> dict[int, list[str]]:
     """Jobs 1 and 2, two ranks each, saving into ``location`` at the same time."""
-    barrier = _CTX.Barrier(2)
+    barrier = CTX.Barrier(2)
     results: dict[int, Any] = {}
 
     def job(j: int) -> None:

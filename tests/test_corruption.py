@@ -25,6 +25,7 @@ from shardsafe.knobs import Knobs
 from shardsafe.storage import open_storage
 from shardsafe.storage.local import LocalStorage
 
+from .helpers import flip_byte
 from .sealing import seal
 from .simulate import simulate_save
 
@@ -92,12 +93,6 @@ def _rewrite(location: str, name: str, data: bytes) -> None:
     open_storage(location).put_atomic(name, data, overwrite=True)
 
 
-def _flip_byte(location: str, name: str, pos: int) -> None:
-    raw = bytearray(open_storage(location).read(name))
-    raw[pos] ^= 0x5A
-    _rewrite(location, name, bytes(raw))
-
-
 def _meta(location: str) -> dict[str, Any]:
     return json.loads(open_storage(location).read(META))
 
@@ -139,7 +134,7 @@ def _assert_every_reader_refuses(saved: str, pattern: str) -> shardsafe.VerifyRe
 @pytest.mark.parametrize("where", [0, 3, 8 * 5 * 4 - 1])
 def test_flipped_byte_in_chunk_fails_load_naming_file_and_key(saved: str, where: int) -> None:
     file, spec = _chunk(saved, "w")
-    _flip_byte(saved, file, spec.byte_range[0] + where)
+    flip_byte(saved, file, spec.byte_range[0] + where)
 
     pattern = rf"(?s)(?=.*'w')(?=.*{re.escape(file)}).*checksum"
     report = _assert_every_reader_refuses(saved, pattern)
@@ -167,7 +162,7 @@ def test_flipped_byte_in_large_chunk_is_detected_for_any_target_layout(tmp_path:
     src = torch.randn(1024, 1024)  # 4 MiB: four times the small read buffer
     Checkpointer().save(d, {"w": src})
     file, spec = _chunk(d, "w")
-    _flip_byte(d, file, spec.byte_range[0] + 3 * (1 << 20) + 17)
+    flip_byte(d, file, spec.byte_range[0] + 3 * (1 << 20) + 17)
 
     target = torch.zeros(1024, 1024) if layout == "contiguous" else torch.zeros(1024, 1024).t()
     with pytest.raises(CorruptCheckpointError, match=rf"(?s)(?=.*'w').*{re.escape(file)}"):
@@ -561,7 +556,7 @@ def test_damaged_checksum_entry_is_reported_by_every_reader(saved: str) -> None:
     start, header = _header_of(open_storage(saved).read(file))
     begin, end = header["__shardsafe_checksums__"]["data_offsets"]
     assert end - begin == 2 * 8  # one digest per chunk (each one block)
-    _flip_byte(saved, file, start + begin + 11)
+    flip_byte(saved, file, start + begin + 11)
 
     pattern = rf"(?s)(?=.*{re.escape(file)}).*checksum mismatch in '__shardsafe_checksums__': metadata\.json says [0-9a-f]{{16}}, its bytes hash to [0-9a-f]{{16}}"
     report = _assert_every_reader_refuses(saved, pattern)
@@ -671,7 +666,7 @@ def test_every_partial_read_checks_the_blocks_it_returns(tmp_path: Path, stored:
     for _ in range(40):
         file, spec = chunks[int(torch.randint(len(chunks), (1,), generator=rng))]
         pos = int(torch.randint(spec.byte_range[1] - spec.byte_range[0], (1,), generator=rng))
-        _flip_byte(d, file, spec.byte_range[0] + pos)
+        flip_byte(d, file, spec.byte_range[0] + pos)
         for name, st in _resharding_targets(full).items():
             try:
                 Checkpointer(knobs=_BLOCK_KNOBS).load(d, {"m": st}, no_dist=True)
@@ -682,4 +677,4 @@ def test_every_partial_read_checks_the_blocks_it_returns(tmp_path: Path, stored:
             assert torch.equal(st.data, _slice_of(full, st)), (name, pos)
         with pytest.raises(CorruptCheckpointError, match=rf"(?s){re.escape(file)}.*'m'"):
             shardsafe.verify(d)
-        _flip_byte(d, file, spec.byte_range[0] + pos)  # undo
+        flip_byte(d, file, spec.byte_range[0] + pos)  # undo

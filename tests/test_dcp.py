@@ -1,6 +1,6 @@
 """shardsafe.dcp: torch.distributed.checkpoint's storage plugin interfaces, and DCP checkpoints read safely.
 
-Real gloo ranks (``tests/distributed.py``), FSDP2 (``fully_shard``) on CPU. Truth is taken with
+Real gloo ranks (``tests/helpers.py``), FSDP2 (``fully_shard``) on CPU. Truth is taken with
 DCP's own full state dicts (``get_state_dict(full_state_dict=True)``) and DCP's own
 ``FileSystemWriter``, never with shardsafe's code.
 """
@@ -21,19 +21,10 @@ import shardsafe.dcp
 from shardsafe import Checkpointer, CheckpointExistsError, CorruptCheckpointError, PickleNotAllowedError, ShardedTensor
 from shardsafe.dcp import UnsafePickleError
 
-from .distributed import run_ranks
+from .helpers import assert_bits, dcp_failure, run_ranks
+from .helpers import full_tensor as full
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
-
-
-def assert_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
-    assert torch.equal(got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)), what
-
-
-def full(key: str, shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
-    g = torch.Generator().manual_seed(sum(map(ord, key)))
-    return torch.randn(shape, generator=g).to(dtype)
 
 
 class Counter:
@@ -297,7 +288,7 @@ def test_reader_checks_checksums(tmp_path):
     sd = {"w": torch.zeros(64, 64)}
     with pytest.raises(CheckpointException) as info:  # DCP wraps every rank's error (and is a BaseException)
         dcp.load(sd, storage_reader=shardsafe.dcp.StorageReader(path), no_dist=True)
-    cause = _dcp_failure(info.value)
+    cause = dcp_failure(info.value)
     assert isinstance(cause, CorruptCheckpointError) and "checksum mismatch" in str(cause) and "'w'" in str(cause)
 
 
@@ -333,13 +324,6 @@ def test_plan_caching_never_reuses_a_file_name(tmp_path):
         assert_bits(got["w"], full("w", (6, 2)) + i, "w") and got["step"] == i
         names += [n for n in os.listdir(path) if n.endswith(".safetensors")]
     assert len(set(names)) == 3
-
-
-def _dcp_failure(e: BaseException) -> BaseException:
-    """The one rank's error inside DCP's CheckpointException."""
-    assert isinstance(e, CheckpointException), repr(e)
-    (failure,) = e.failures.values()
-    return failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback summary)
 
 
 # -- DCP's own checkpoints: convert, and read directly ---------------------------------------------
@@ -426,7 +410,7 @@ def test_truncated_distcp_file_is_detected(tmp_path):
     assert not os.path.exists(tmp_path / "out" / "metadata.json")
     with pytest.raises(CheckpointException) as info:
         dcp.load({"w": torch.zeros(32, 32), "v": torch.zeros(8)}, storage_reader=shardsafe.dcp.StorageReader(src), no_dist=True)
-    assert isinstance(_dcp_failure(info.value), CorruptCheckpointError)
+    assert isinstance(dcp_failure(info.value), CorruptCheckpointError)
 
 
 class _Evil:
@@ -499,7 +483,7 @@ def test_values_json_cannot_hold_need_allow_pickle(tmp_path):
     sd = {"w": full("w", (3,)), "opt": [{"z": 1 + 2j}]}
     with pytest.raises(CheckpointException) as info:
         dcp.save(sd, storage_writer=shardsafe.dcp.StorageWriter(path), no_dist=True)
-    cause = _dcp_failure(info.value)
+    cause = dcp_failure(info.value)
     assert isinstance(cause, PickleNotAllowedError) and "key 'opt.0.z'" in str(cause) and "complex" in str(cause)
     assert "allow_pickle=True to shardsafe.dcp.StorageWriter" in str(cause)
     assert not os.path.exists(os.path.join(path, "metadata.json"))
@@ -508,7 +492,7 @@ def test_values_json_cannot_hold_need_allow_pickle(tmp_path):
     target = {"w": torch.zeros(3), "opt": [{"z": None}]}
     with pytest.raises(CheckpointException) as info:
         dcp.load(target, storage_reader=shardsafe.dcp.StorageReader(path), no_dist=True)
-    assert isinstance(_dcp_failure(info.value), PickleNotAllowedError)
+    assert isinstance(dcp_failure(info.value), PickleNotAllowedError)
     dcp.load(target, storage_reader=shardsafe.dcp.StorageReader(path, allow_pickle=True), no_dist=True)
     assert target["opt"][0]["z"] == 1 + 2j
     assert_bits(target["w"], full("w", (3,)), "w")
@@ -516,7 +500,7 @@ def test_values_json_cannot_hold_need_allow_pickle(tmp_path):
     # a committed checkpoint is not replaced unless asked
     with pytest.raises(CheckpointException) as info:
         dcp.save({"w": torch.ones(3)}, storage_writer=shardsafe.dcp.StorageWriter(path), no_dist=True)
-    assert isinstance(_dcp_failure(info.value), CheckpointExistsError)
+    assert isinstance(dcp_failure(info.value), CheckpointExistsError)
     dcp.save({"w": torch.ones(3)}, storage_writer=shardsafe.dcp.StorageWriter(path, overwrite=True), no_dist=True)
     assert_bits(Checkpointer().unshard(path)["w"], torch.ones(3), "w")
     assert len([n for n in os.listdir(path) if n.endswith(".safetensors")]) == 1  # the replaced save's file is gone
@@ -529,7 +513,7 @@ def test_dcp_value_that_safe_loader_refuses_needs_allow_pickle(tmp_path):
     _dcp_single(src, {"w": full("w", (2,)), "obj": io.StringIO("x")})
     with pytest.raises(CheckpointException) as info:
         dcp.load({"w": torch.zeros(2), "obj": None}, storage_reader=shardsafe.dcp.StorageReader(src), no_dist=True)
-    cause = _dcp_failure(info.value)
+    cause = dcp_failure(info.value)
     assert isinstance(cause, PickleNotAllowedError) and "'obj'" in str(cause)
     with pytest.raises(PickleNotAllowedError, match="'obj'"):
         shardsafe.dcp.convert(src, str(tmp_path / "out"))

@@ -15,8 +15,8 @@ import shardsafe.dcp
 import shardsafe.lightning
 from shardsafe import Checkpointer, PickleNotAllowedError
 
-from .distributed import run_ranks
-from .test_dcp import assert_bits, full
+from .helpers import assert_bits, run_ranks
+from .helpers import full_tensor as full
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
 

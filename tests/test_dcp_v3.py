@@ -24,9 +24,8 @@ import shardsafe.dcp
 from shardsafe import Checkpointer, CorruptCheckpointError, DtypeMismatchError
 from shardsafe.knobs import Knobs
 
-from .distributed import run_ranks
-from .test_dcp import _dcp_failure
-from .test_format_spec import SpecError, _flip, assert_bit_equal, read_checkpoint
+from .helpers import assert_bits, dcp_failure, flip_byte, run_ranks
+from .spec_reader import SpecError, read_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
 
@@ -112,12 +111,12 @@ def test_dcp_save_writes_format_v3_that_the_spec_reader_reads(dcp_ckpt):
 
     got = read_checkpoint(dcp_ckpt)  # every digest checked: metadata, headers, checksum entries, blocks
     for key, want in _full().items():
-        assert_bit_equal(got[key], want, key)
+        assert_bits(got[key], want, key)
     assert got["step"] == 11 and got["cfg.name"] == "run"
     assert got["cfg.betas"] == {"__shardsafe__": "tuple", "items": [0.9, 0.99]}  # tagged JSON (§13)
     ours = Checkpointer().unshard(dcp_ckpt)
     for key, want in _full().items():
-        assert_bit_equal(ours[key], want, key)
+        assert_bits(ours[key], want, key)
     assert ours["cfg.betas"] == (0.9, 0.99) and ours["step"] == 11
     assert not shardsafe.verify(dcp_ckpt).errors
 
@@ -140,7 +139,7 @@ def test_checkpointer_loads_a_dcp_save_bit_exact_resharded(dcp_ckpt, tmp_path, w
     assert run_ranks(ws, _checkpointer_load, dcp_ckpt, out) == [(11, {"name": "run", "betas": (0.9, 0.99)})] * ws
     got = torch.load(out)
     for key, want in _full().items():
-        assert_bit_equal(got[key], want, key)
+        assert_bits(got[key], want, key)
 
 
 def test_damaged_dcp_save_is_refused_on_load(dcp_ckpt, tmp_path):
@@ -149,7 +148,7 @@ def test_damaged_dcp_save_is_refused_on_load(dcp_ckpt, tmp_path):
         shutil.copytree(dcp_ckpt, path)
         (file,) = [f for f in _metadata(path)["file_table"] if "rows@4,0" in _header(path, f["name"])[1]]
         header_bytes, header = _header(path, file["name"])
-        _flip(path, file["name"], header_bytes + header[name_of_entry]["data_offsets"][0] + offset)
+        flip_byte(path, file["name"], mask=0x10, pos=header_bytes + header[name_of_entry]["data_offsets"][0] + offset)
         return path
 
     def load(path: str) -> None:
@@ -175,6 +174,6 @@ def test_dtype_safetensors_cannot_hold_is_refused_before_any_write(tmp_path):
     with pytest.raises(CheckpointException) as info:  # DCP wraps each rank's error
         dcp.save({"z": torch.ones(3, dtype=torch.complex128), "w": torch.ones(2)},
                  storage_writer=shardsafe.dcp.StorageWriter(str(path)), no_dist=True)
-    cause = _dcp_failure(info.value)
+    cause = dcp_failure(info.value)
     assert isinstance(cause, DtypeMismatchError) and "'z'" in str(cause) and "complex128" in str(cause)
     assert not path.exists() or os.listdir(path) == []

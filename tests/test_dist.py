@@ -10,7 +10,6 @@ import json
 import os
 import queue as queue_mod
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ import shardsafe
 from shardsafe import Checkpointer
 from shardsafe.knobs import KNOBS
 
-from .distributed import _CTX, free_port, run_ranks
+from .helpers import CTX, free_port, run_process, run_ranks
 
 FAST = dataclasses.replace(KNOBS, collective_timeout_s=3)  # hang tests must end fast
 HANG = 40.0  # run_ranks timeout: a test that hangs (the bugs fixed here) fails instead
@@ -343,10 +342,10 @@ def _dying_worker(rank, world_size, port, fn, args, queue, pg_timeout_s=None):
 def run_ranks_where_some_die(world_size, fn, *args, timeout=60.0, pg_timeout_s=None):
     """Each rank's result, or ``"died"`` for a rank that ended without reporting one.
     ``pg_timeout_s``: the process group's own timeout (default: torch's, 30 minutes)."""
-    queue = _CTX.Queue()
+    queue = CTX.Queue()
     port = free_port()
     procs = [
-        _CTX.Process(target=_dying_worker, args=(r, world_size, port, fn, args, queue, pg_timeout_s), daemon=True)
+        CTX.Process(target=_dying_worker, args=(r, world_size, port, fn, args, queue, pg_timeout_s), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -540,7 +539,7 @@ def test_processes_that_exit_right_after_a_load_never_abort(tmp_path, ws, runs):
     src = os.path.dirname(os.path.dirname(shardsafe.__file__))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, root])}
-    out = subprocess.run(
+    out = run_process(
         [sys.executable, "-m", "tests.load_exit_runs", path, str(runs), str(ws)],
         cwd=root, env=env, capture_output=True, text=True, timeout=120,
     )
@@ -578,15 +577,15 @@ def test_run_ranks_tries_another_port_when_one_is_taken(monkeypatch):
     listen (EADDRINUSE, seen once in CI) is retried with another instead of failing the test."""
     import socket
 
-    from . import distributed
+    from . import helpers
 
     taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    ports = iter([taken.getsockname()[1], distributed.free_port()])
-    monkeypatch.setattr(distributed, "free_port", lambda: next(ports))
+    ports = iter([taken.getsockname()[1], helpers.free_port()])
+    monkeypatch.setattr(helpers, "free_port", lambda: next(ports))
     try:
-        assert distributed.run_ranks(2, _rank_number) == [0, 1]
+        assert helpers.run_ranks(2, _rank_number) == [0, 1]
     finally:
         taken.close()
     assert next(ports, None) is None  # both ports were used: the taken one, then another

@@ -11,49 +11,11 @@ import shardsafe
 from shardsafe import Checkpointer, ShardedTensor
 from shardsafe.knobs import KNOBS
 
-from .distributed import run_ranks
-
-
-def full_tensor(key: str, shape, dtype=torch.float32) -> torch.Tensor:
-    """The same deterministic global tensor in every process."""
-    g = torch.Generator().manual_seed(sum(map(ord, key)))
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    return torch.randn(shape, generator=g).to(dtype)
-
-
-def _mesh(ws, mesh_shape):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", mesh_shape)
-
-
-def _placements(spec):
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    out = []
-    for p in spec:
-        if p == "R":
-            out.append(Replicate())
-        elif p.startswith("SS"):  # SS<dim>/<split_factor>
-            d, sf = p[2:].split("/")
-            out.append(_StridedShard(int(d), split_factor=int(sf)))
-        else:
-            out.append(Shard(int(p[1:])))
-    return out
-
-
-def _dtensor(key, shape, mesh_shape, spec, dtype=torch.float32):
-    from torch.distributed.tensor import distribute_tensor
-
-    mesh = _mesh(None, mesh_shape)
-    # every rank holds the full tensor: split locally (also allows uneven _StridedShard)
-    return distribute_tensor(full_tensor(key, shape, dtype), mesh, _placements(spec), src_data_rank=None)
+from .helpers import device_mesh, dtensor, full_tensor, run_ranks
 
 
 def _save_dtensors(rank, ws, path, tensors):
-    sd = {key: _dtensor(key, shape, mesh, spec) for key, (shape, mesh, spec) in tensors.items()}
+    sd = {key: dtensor(key, shape, mesh, spec) for key, (shape, mesh, spec) in tensors.items()}
     sd["step"] = 7
     meta, files = Checkpointer().save(path, sd)
     return [os.path.basename(f) for f in files], sorted(meta.tensors)
@@ -62,7 +24,7 @@ def _save_dtensors(rank, ws, path, tensors):
 def _load_dtensors(rank, ws, path, tensors):
     sd = {}
     for key, (shape, mesh, spec) in tensors.items():
-        dt = _dtensor(key, shape, mesh, spec)
+        dt = dtensor(key, shape, mesh, spec)
         dt.to_local().fill_(float("nan"))
         sd[key] = dt
     sd["step"] = 0
@@ -232,7 +194,7 @@ def test_corruption_seen_by_one_rank_fails_every_rank(tmp_path):
 def _save_partial(rank, ws, path):
     from torch.distributed.tensor import DTensor, Partial
 
-    mesh = _mesh(ws, (ws,))
+    mesh = device_mesh(ws, (ws,))
     dt = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()])
     try:
         Checkpointer().save(path, {"p": dt})

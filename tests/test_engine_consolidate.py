@@ -26,11 +26,8 @@ from shardsafe import (
 from shardsafe.engine import consolidate
 from shardsafe.knobs import KNOBS
 
-from .simulate import simulate_save
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+from .helpers import bits
+from .simulate import simulate_save, two_rank_checkpoint
 
 
 def _state(ws: int) -> list[dict]:
@@ -74,7 +71,7 @@ def test_bitexact_against_unshard_and_valid_safetensors(ckpt, tmp_path):
     assert set(got) == set(full)
     for k, v in full.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
-        assert torch.equal(_bits(got[k]), _bits(v)), k
+        assert torch.equal(bits(got[k]), bits(v)), k
     assert summary == {
         "tensors": 6,
         "bytes": sum(v.numel() * v.element_size() for v in full.values()),
@@ -108,7 +105,7 @@ def test_prefix_selects_and_strips(ckpt, tmp_path):
     got = load_file(str(out))
     assert sorted(got) == ["bias", "e", "empty", "scalar", "w"]
     for k, v in got.items():
-        assert torch.equal(_bits(v), _bits(full["model." + k])), k
+        assert torch.equal(bits(v), bits(full["model." + k])), k
     assert summary["tensors"] == 5
     optim = tmp_path / "optim.safetensors"
     shardsafe.unshard_to_safetensors(ckpt, optim, prefix="optim.")
@@ -197,23 +194,6 @@ def _spy_allocations(monkeypatch) -> list[int]:
     return allocated
 
 
-_SIZES = [(300, 64), (1000, 128), (20, 20), (514, 8)]
-
-
-def _two_ranks(tmp_path, dims: list[int]) -> tuple[str, dict[str, torch.Tensor]]:
-    """The tensors of ``_SIZES``, tensor i saved by 2 ranks sharded on ``dims[i]``."""
-    g = torch.Generator().manual_seed(3)
-    full = {f"t{i}": torch.randn(s, generator=g) for i, s in enumerate(_SIZES)}
-    ranks = [
-        {
-            k: ShardedTensor.from_rank_offsets(k, v.chunk(2, dim=dims[i])[r].clone(), (dims[i], r, 2))
-            for i, (k, v) in enumerate(full.items())
-        }
-        for r in range(2)
-    ]
-    d = str(tmp_path / "c")
-    simulate_save(d, ranks)
-    return d, full
 
 
 _SMALL = dataclasses.replace(KNOBS, read_buffer_bytes=1 << 16, io_threads=2, write_block_bytes=1 << 16)
@@ -230,7 +210,7 @@ _SMALL = dataclasses.replace(KNOBS, read_buffer_bytes=1 << 16, io_threads=2, wri
     ids=["rows", "columns", "mixed-large-columns", "mixed-small-columns"],
 )
 def test_memory_is_a_ring_of_blocks_plus_the_largest_tensor_not_in_rows(tmp_path, monkeypatch, dims, want):
-    d, full = _two_ranks(tmp_path, dims)
+    d, full = two_rank_checkpoint(tmp_path, dims)
     allocated = _spy_allocations(monkeypatch)
     shardsafe.unshard_to_safetensors(d, tmp_path / "o.safetensors", knobs=_SMALL)
     assert allocated == want
@@ -240,7 +220,7 @@ def test_memory_is_a_ring_of_blocks_plus_the_largest_tensor_not_in_rows(tmp_path
 
 
 def test_damaged_row_chunk_is_caught_on_the_direct_path(tmp_path):
-    d, _ = _two_ranks(tmp_path, [0, 0, 0, 0])
+    d, _ = two_rank_checkpoint(tmp_path, [0, 0, 0, 0])
     meta = Checkpointer().get_metadata(d, no_dist=True)
     file, spec = sorted(meta.tensors["t1"].chunks(), key=lambda c: c[1].global_offset)[1]
     with open(os.path.join(d, file), "r+b") as f:

@@ -21,12 +21,10 @@ from shardsafe.knobs import KNOBS
 from shardsafe.storage import local as local_storage
 from shardsafe.storage import open_storage
 
+from .helpers import bits
+
 _KiB = 1 << 10
 TINY = dataclasses.replace(KNOBS, write_block_bytes=64 * _KiB, read_block_bytes=64 * _KiB, io_threads=4, writeback_bytes=128 * _KiB)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _state(n: int = 40) -> dict[str, torch.Tensor]:
@@ -48,7 +46,7 @@ def test_many_blocks_round_trip_bit_exact(tmp_path, knobs):
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     Checkpointer(knobs=knobs).load(d, dst)
     for k in src:
-        assert torch.equal(_bits(dst[k]), _bits(src[k])), k
+        assert torch.equal(bits(dst[k]), bits(src[k])), k
 
 
 def test_in_place_blocks_read_each_byte_once(tmp_path):
@@ -83,7 +81,7 @@ def test_damaged_block_in_the_middle_of_a_chunk_is_caught(tmp_path):
         Checkpointer(knobs=TINY).load(d, dst)
     del dst["big"]  # the other tensors still load
     Checkpointer(knobs=TINY).load(d, dst)
-    assert all(torch.equal(_bits(dst[k]), _bits(src[k])) for k in dst)
+    assert all(torch.equal(bits(dst[k]), bits(src[k])) for k in dst)
 
 
 def test_truncated_file_under_block_reads_names_the_key(tmp_path):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,8 @@ import shardsafe.lightning
 from shardsafe import Checkpointer, ForeignCheckpointError, IncompleteCheckpointError
 from shardsafe.megatron import CheckpointingConfig
 from shardsafe.megatron.core import save_config
+
+from .helpers import run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
@@ -167,7 +168,7 @@ def test_every_entry_point_names_a_foreign_checkpoint_and_its_way_in(foreign, fm
 )  # a subprocess each (~2.5 s): every format once, and verify for one of each family
 def test_the_command_line_names_a_foreign_checkpoint(foreign, fmt, command):
     loc, parts = foreign[fmt]
-    done = subprocess.run([sys.executable, "-m", "shardsafe", command, loc], capture_output=True, text=True, env=ENV, timeout=120)
+    done = run_process([sys.executable, "-m", "shardsafe", command, loc], capture_output=True, text=True, env=ENV, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith(f"shardsafe {command}: error: {parts[0]}")
     assert [p for p in parts if p not in done.stderr] == []

@@ -17,7 +17,7 @@ import torch
 
 import shardsafe
 
-from .distributed import run_ranks
+from .helpers import bits, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,10 +28,6 @@ def _backend(ws: int) -> str:
     return NCCL if ws == 1 else "gloo"
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().view(-1).view(torch.uint8)
-
-
 def _full(model, optim) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -40,11 +36,11 @@ def _full(model, optim) -> tuple[dict, dict]:
 
 def _same(got: tuple[dict, dict], want: tuple[dict, dict]) -> list[str]:
     """Names whose values differ between two (model, optim) full state dicts; [] when all agree."""
-    bad = [k for k in want[0] if k not in got[0] or not torch.equal(_bits(got[0][k]), _bits(want[0][k]))]
+    bad = [k for k in want[0] if k not in got[0] or not torch.equal(bits(got[0][k]), bits(want[0][k]))]
     for name, st in want[1]["state"].items():
         for k, t in st.items():
             mine = got[1]["state"].get(name, {}).get(k)
-            if mine is None or not torch.equal(_bits(mine), _bits(t)):
+            if mine is None or not torch.equal(bits(mine), bits(t)):
                 bad.append(f"optim.{name}.{k}")
     return bad
 
@@ -89,10 +85,10 @@ def _local(model, optim) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         t = p.to_local() if hasattr(p, "to_local") else p
-        out[name] = _bits(t).clone()
+        out[name] = bits(t).clone()
         for k, v in optim.state.get(p, {}).items():
             v = v.to_local() if hasattr(v, "to_local") else v
-            out[f"optim.{name}.{k}"] = _bits(v).clone()
+            out[f"optim.{name}.{k}"] = bits(v).clone()
     return out
 
 
@@ -195,11 +191,11 @@ def _lightning_fit(rank, ws, ckpt_dir, max_steps, ckpt_path, truth_path=None):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from .test_lightning import _net
+    from .lightning_runs import net
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(ws))
     strategy = shardsafe.lightning.FSDPStrategy(auto_wrap_policy={torch.nn.Linear})
-    model = _net()(fsdp=False)
+    model = net()(fsdp=False)
     trainer = L.Trainer(
         accelerator="cuda", devices=ws, strategy=strategy, max_steps=max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
@@ -234,9 +230,9 @@ def test_lightning_fsdp_strategy_resumes_with_the_same_losses(tmp_path):
 
     # the same checkpoint resumes on 2 CPU ranks under shardsafe's DDPStrategy: each rank takes half of
     # the batch, so the mean of the two ranks' losses is the GPU run's loss at each step (up to rounding)
-    from .test_lightning import _fit
+    from .lightning_runs import fit
 
-    two = run_ranks(2, _fit, "ddp", str(tmp_path / "cpu"), 6, step4, timeout=120)
+    two = run_ranks(2, fit, "ddp", str(tmp_path / "cpu"), 6, step4, timeout=120)
     assert [r[1:] for r in two] == [(6, 3)] * 2
     assert [(a + b) / 2 for a, b in zip(two[0][0], two[1][0])] == pytest.approx(full[0][4:], rel=1e-4)
 
@@ -246,4 +242,4 @@ def test_lightning_fsdp_strategy_resumes_with_the_same_losses(tmp_path):
     ckpt = torch.load(out, weights_only=True)
     want = torch.load(truth)
     assert sorted(ckpt["state_dict"]) == sorted(want) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
-    assert all(torch.equal(_bits(ckpt["state_dict"][k]), _bits(v)) for k, v in want.items())
+    assert all(torch.equal(bits(ckpt["state_dict"][k]), bits(v)) for k, v in want.items())

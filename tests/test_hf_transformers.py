@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,8 @@ import pytest
 import torch
 
 import shardsafe
+
+from .helpers import run_process
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (it is in the 'test' extra)")
 
@@ -41,7 +42,7 @@ def test_export_loads_with_transformers_from_pretrained(tmp_path):
     shardsafe.Checkpointer().save(ck, {**{"model." + k: v for k, v in sd.items()}, "step": 7})
     out = tmp_path / "hf"
     _config().save_pretrained(tmp_path / "cfg")  # the model's config.json, as a user has it
-    r = subprocess.run(
+    r = run_process(
         [sys.executable, "-m", "shardsafe", "export", str(ck), str(out), "--prefix", "model.", "--max-shard-size", "40KB", "--json",
          "--config", str(tmp_path / "cfg" / "config.json")],
         capture_output=True, text=True, env=ENV, timeout=600,
@@ -107,7 +108,7 @@ def test_export_writes_config_json_from_a_pretrained_config_or_warns_without_one
         unshard_to_safetensors(ck, mine, prefix="model.", max_shard_size=40_000, config=model.config)
     assert (mine / "config.json").read_text() == "{}"
 
-    r = subprocess.run(
+    r = run_process(
         [sys.executable, "-m", "shardsafe", "export", str(ck), str(tmp_path / "cli"), "--max-shard-size", "40KB"],
         capture_output=True, text=True, env=ENV, timeout=600,
     )

@@ -1,4 +1,4 @@
-"""shardsafe.lightning: real Lightning Trainer runs on CPU gloo ranks (``tests/distributed.py``).
+"""shardsafe.lightning: real Lightning Trainer runs on CPU gloo ranks (``tests/helpers.py``).
 
 Lightning sees the ranks as launched externally (``LOCAL_RANK`` set, process group already
 initialised), so it runs in the test's own processes. FSDP2 through Lightning's
@@ -21,94 +21,15 @@ pytest.importorskip("lightning")
 import shardsafe  # noqa: E402
 import shardsafe.lightning  # noqa: E402
 
-from .distributed import run_ranks  # noqa: E402
+from .helpers import assert_bits, run_ranks  # noqa: E402
+from .lightning_runs import fit, net  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-GLOBAL_BATCH = 8
-
-
-def _net():
-    import lightning as L
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Net(L.LightningModule):
-        def __init__(self, fsdp: bool) -> None:
-            super().__init__()
-            self.fsdp = fsdp
-            self.losses: list[float] = []
-            torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-        def configure_model(self) -> None:
-            if self.fsdp:
-                from torch.distributed.fsdp import fully_shard
-
-                mesh = self.device_mesh["data_parallel"]
-                fully_shard(self.net[0], mesh=mesh)
-                fully_shard(self.net[2], mesh=mesh)
-                fully_shard(self.net, mesh=mesh)
-
-        def training_step(self, batch, idx):
-            x, y = batch
-            loss = (self.net(x) - y).square().mean()
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, betas=(0.8, 0.95))
-            sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
-            return [opt], [{"scheduler": sched, "interval": "step"}]
-
-        def train_dataloader(self):
-            g = torch.Generator().manual_seed(1)
-            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)  # 2 steps an epoch
-            return DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // self.trainer.world_size, shuffle=False)
-
-    return Net
-
-
-def assert_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
-    assert torch.equal(got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)), what
-
-
-def _fit(rank, ws, kind, ckpt_dir, max_steps, ckpt_path, truth_path=None):
-    """``trainer.fit`` on this rank; returns its losses, the final global step and epoch."""
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(ws))
-    if kind == "fsdp":
-        strategy = shardsafe.lightning.ModelParallelStrategy(data_parallel_size=ws, tensor_parallel_size=1)
-    elif kind == "lightning-fsdp":  # Lightning's own: DCP files and meta.pt
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        strategy = ModelParallelStrategy(data_parallel_size=ws, tensor_parallel_size=1)
-    else:
-        strategy = shardsafe.lightning.DDPStrategy()
-    model = _net()(fsdp=kind != "ddp")
-    trainer = L.Trainer(
-        accelerator="cpu", devices=ws, strategy=strategy, max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1, save_last=True)],
-    )
-    trainer.fit(model, ckpt_path=ckpt_path)
-    if truth_path is not None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        msd, osd = get_state_dict(model, trainer.optimizers[0], options=opts)
-        if rank == 0:
-            torch.save({"model": msd, "optim": osd}, truth_path)
-    return model.losses, trainer.global_step, trainer.current_epoch
-
 
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_trainer_resumes_at_another_world_size_with_the_same_losses(tmp_path, kind):
     ckpts = str(tmp_path / "ckpts")
-    full = run_ranks(2, _fit, kind, ckpts, 6, None)  # uninterrupted: 6 steps on 2 ranks, saved every 2 steps
+    full = run_ranks(2, fit, kind, ckpts, 6, None)  # uninterrupted: 6 steps on 2 ranks, saved every 2 steps
     step4 = os.path.join(ckpts, "step=4.ckpt")
     assert sorted(os.listdir(ckpts)) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
     assert shardsafe.lightning.read_meta(os.path.join(ckpts, "last.ckpt"))["global_step"] == 6  # replaced at each save
@@ -118,14 +39,14 @@ def test_trainer_resumes_at_another_world_size_with_the_same_losses(tmp_path, ki
     assert meta["global_step"] == 4 and meta["lr_schedulers"][0]["last_epoch"] == 4
 
     # resumed on the same world size: bit-exact losses of steps 5 and 6 on each rank
-    again = run_ranks(2, _fit, kind, str(tmp_path / "again"), 6, step4)
+    again = run_ranks(2, fit, kind, str(tmp_path / "again"), 6, step4)
     for rank in range(2):
         assert again[rank][0] == full[rank][0][4:], rank
         assert again[rank][1:] == full[rank][1:] == (6, 3)
 
     # resumed on 1 rank (a batch of 8 where two ranks had 4 each): the first loss after resuming is
     # the mean of the two ranks' at that step, up to rounding, and so are the next
-    one = run_ranks(1, _fit, kind, str(tmp_path / "one"), 6, step4)
+    one = run_ranks(1, fit, kind, str(tmp_path / "one"), 6, step4)
     losses, step, epoch = one[0]
     assert (step, epoch, len(losses)) == (6, 3, 2)
     want = [(a + b) / 2 for a, b in zip(full[0][0][4:], full[1][0][4:])]
@@ -134,10 +55,10 @@ def test_trainer_resumes_at_another_world_size_with_the_same_losses(tmp_path, ki
 
 def test_a_folder_lightnings_own_strategy_wrote_resumes_through_shardsafe(tmp_path):
     ckpts = str(tmp_path / "ckpts")
-    full = run_ranks(2, _fit, "lightning-fsdp", ckpts, 6, None)
+    full = run_ranks(2, fit, "lightning-fsdp", ckpts, 6, None)
     step4 = os.path.join(ckpts, "step=4.ckpt")
     assert {".metadata", "meta.pt"} <= set(os.listdir(step4))
-    again = run_ranks(2, _fit, "fsdp", str(tmp_path / "again"), 6, step4)
+    again = run_ranks(2, fit, "fsdp", str(tmp_path / "again"), 6, step4)
     for rank in range(2):
         assert again[rank][0] == full[rank][0][4:], rank
         assert again[rank][1:] == full[rank][1:] == (6, 3)
@@ -179,13 +100,13 @@ def _count_tensors(value) -> int:
 
 def test_consolidate_writes_lightnings_single_file_layout(tmp_path):
     ckpts = str(tmp_path / "ckpts")
-    run_ranks(2, _fit, "fsdp", ckpts, 2, None, str(tmp_path / "truth.pt"))
+    run_ranks(2, fit, "fsdp", ckpts, 2, None, str(tmp_path / "truth.pt"))
     step2 = os.path.join(ckpts, "step=2.ckpt")
     out = str(tmp_path / "step=2.ckpt.consolidated")
     shardsafe.lightning.consolidate(step2, out)
     ckpt = torch.load(out, weights_only=True)
     assert ckpt["global_step"] == 2 and ckpt["epoch"] == 0
-    model = _net()(fsdp=False)
+    model = net()(fsdp=False)
     model.load_state_dict(ckpt["state_dict"], strict=True)
     assert sorted(ckpt["state_dict"]) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
     want = shardsafe.unshard_model_state(step2, no_dist=True)

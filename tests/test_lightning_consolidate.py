@@ -9,7 +9,6 @@ import io
 import json
 import logging
 import os
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -24,34 +23,12 @@ from shardsafe import CheckpointExistsError, CorruptCheckpointError, MissingKeyE
 from shardsafe.cli import main
 from shardsafe.lightning._torch_file import LazyTensor, save_streamed
 
-from .distributed import run_ranks
+from .helpers import assert_same, run_process, run_ranks
 from .simulate import simulate_save
 from .terminal import on_a_pty
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(got, want, where: str = "") -> None:
-    """Equal structure, types and non-tensor values; tensors bit for bit (dtype, shape, bytes)."""
-    assert type(got) is type(want), (where, type(got), type(want))
-    if isinstance(want, torch.Tensor):
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), where
-        assert torch.equal(_bits(got), _bits(want)), where
-    elif isinstance(want, dict):
-        assert list(got) == list(want), where
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
 
 
 def _torch_save_bytes(obj) -> bytes:
@@ -260,7 +237,7 @@ def test_streamed_peak_memory_is_about_the_largest_tensor_not_the_checkpoint(tmp
     largest, total = 10 * _MiB, 200 * _MiB
     # in a process of its own, streamed first (the in-memory path's freed memory would hide its peak)
     args = [sys.executable, "-c", _MEASURE, ckpt, str(tmp_path / "streamed.pt"), str(tmp_path / "in_memory.pt")]
-    r = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=120)
+    r = run_process(args, capture_output=True, text=True, env=ENV, timeout=120)
     assert r.returncode == 0, r.stderr
     growth = json.loads(r.stdout)
     streamed, in_memory = growth["streamed"], growth["in_memory"]

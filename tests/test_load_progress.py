@@ -13,9 +13,9 @@ import torch
 import shardsafe
 from shardsafe import Checkpointer
 
-from .distributed import run_ranks
+from .cli_helpers import ENV, hf_folder, small_model
+from .helpers import run_ranks
 from .terminal import on_a_pty
-from .test_cli import ENV, _hf_file, _model
 
 
 def _state() -> dict:
@@ -38,9 +38,9 @@ def test_callable_progress_counts_the_bytes_of_the_targets(tmp_path):
     assert seen[0] == (0, total) and seen[-1] == (total, total) and len(seen) == 4  # one report per tensor after the first
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and {t for _, t in seen} == {total}
 
-    path, sd = _hf_file(tmp_path)
+    path, sd = hf_folder(tmp_path)
     seen.clear()
-    model = _model()
+    model = small_model()
     shardsafe.load_hf_safetensors(path, model, prefix="net.", progress=lambda d, t: seen.append((d, t)))
     assert seen[0] == (0, 2632) and seen[-1] == (2632, 2632) and len(seen) == 5  # (16*24 + 24 + 24*10 + 10) * 4 bytes
     with pytest.raises(TypeError, match="load_hf_safetensors: argument 'progress' must be a bool, a callable or None, got str"):
@@ -51,12 +51,12 @@ def test_callable_progress_counts_the_bytes_of_the_targets(tmp_path):
 
 _SCRIPT = """
 import sys, torch, shardsafe
-from tests.test_cli import _model
+from tests.cli_helpers import small_model
 ck, hf = sys.argv[1:]
 sd = {k: torch.zeros(64, 32) if k == "w" else v for k, v in {"w": 0, "b": torch.zeros(10, dtype=torch.int64),
       "h": torch.zeros(7, dtype=torch.bfloat16), "step": 0}.items()}
 shardsafe.Checkpointer().load(ck, sd, progress=True)
-shardsafe.load_hf_safetensors(hf, _model(), prefix="net.", progress=True)
+shardsafe.load_hf_safetensors(hf, small_model(), prefix="net.", progress=True)
 print(sd["step"])
 """
 
@@ -67,7 +67,7 @@ def _on_a_pty(args: list[str]) -> tuple[subprocess.CompletedProcess, bytes]:
 
 def test_progress_bar_on_a_terminal(tmp_path):
     Checkpointer().save(tmp_path / "mine", _state())
-    path, _ = _hf_file(tmp_path)
+    path, _ = hf_folder(tmp_path)
     r, err = _on_a_pty([sys.executable, "-c", _SCRIPT, str(tmp_path / "mine"), str(path)])
     assert r.returncode == 0 and r.stdout == b"3\n", err
     total = 64 * 32 * 4 + 10 * 8 + 7 * 2
@@ -82,7 +82,7 @@ def _ranks_draw(rank, ws, ck, hf):
     from torch.distributed.fsdp import fully_shard
 
     sys.stderr = io.StringIO()  # tqdm writes to the sys.stderr of the moment it draws
-    model = _model()
+    model = small_model()
     mesh = init_device_mesh("cpu", (ws,))
     fully_shard(model, mesh=mesh)
     shardsafe.load_hf_safetensors(hf, model, prefix="net.", progress=True)
@@ -94,7 +94,7 @@ def _ranks_draw(rank, ws, ck, hf):
 
 
 def test_bar_on_the_coordinator_only_callable_on_every_rank(tmp_path):
-    path, sd = _hf_file(tmp_path)
+    path, sd = hf_folder(tmp_path)
     Checkpointer().save(tmp_path / "mine", sd)
     (err0, last0), (err1, last1) = run_ranks(2, _ranks_draw, str(tmp_path / "mine"), str(path))
     assert "\rload_hf_safetensors:   0%|" in err0 and "\rload:   0%|" in err0 and "/1.32k [" in err0

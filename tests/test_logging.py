@@ -12,7 +12,7 @@ import torch
 import shardsafe
 from shardsafe.storage import open_storage
 
-from .distributed import run_ranks
+from .helpers import run_ranks
 
 
 class _Records(logging.Handler):

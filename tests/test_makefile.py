@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from .helpers import run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 def _commands(target: str, tmp_path: Path) -> list[str]:
     """The commands ``make TARGET`` runs on a fresh clone (a virtual environment not made yet)."""
-    r = subprocess.run(
+    r = run_process(
         ["make", "-n", "-B", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True, text=True, check=True
     )
     return [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]

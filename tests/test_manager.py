@@ -11,7 +11,6 @@ import random
 import shutil
 import signal
 import struct
-import sys
 import uuid
 
 import numpy as np
@@ -34,10 +33,8 @@ from shardsafe import (
 from shardsafe.dist import collective_counts
 from shardsafe.storage import open_storage
 
-from .distributed import run_ranks
+from .helpers import run_ranks
 from .servers import fresh
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 pytestmark = pytest.mark.xdist_group("manager")
 
@@ -409,7 +406,7 @@ def test_extra_names_and_values_are_checked(tmp_path) -> None:
 
 
 def _cfg():
-    from tiny_llama import LlamaConfig
+    from examples.tiny_llama import LlamaConfig
 
     return LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172, max_seq_len=32)
 
@@ -433,7 +430,7 @@ K, AT = 6, 3  # steps, the step whose checkpoint the tails resume from
 def _fsdp_run(rank, ws, root, restore_step, steps, seed):
     """Train ``steps`` with FSDP2, saving every AT steps; with ``restore_step`` (-1: the latest),
     resume by ``restore()`` alone first."""
-    from tiny_llama import Transformer, make_optimizer, parallelize, train
+    from examples.tiny_llama import Transformer, make_optimizer, parallelize, train
 
     _seed(seed + rank)
     model = parallelize(Transformer(_cfg(), seed=0 if restore_step is None else 1), "fsdp2", ws)

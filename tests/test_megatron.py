@@ -58,7 +58,7 @@ from shardsafe.megatron.strategies import (
     ShardsafeLoadShardedStrategy,
     ShardsafeSaveShardedStrategy,
 )
-from tests.distributed import run_ranks
+from tests.helpers import run_ranks
 
 V, H, F, L = 16, 8, 12, 4  # vocabulary, hidden, GLU half width, layers
 SAVE_LAYOUT = (2, 2, 1)  # (tp, pp, dp)

@@ -16,7 +16,7 @@ import torch
 import shardsafe
 from shardsafe.megatron import CheckpointingException, ShardedObject, ShardedTensor, load, load_common_state_dict, save
 from shardsafe.megatron.strategies import AsyncCallsQueue, AsyncRequest
-from tests.distributed import run_ranks
+from tests.helpers import run_ranks
 
 
 def _state(rank: int, world: int, value: float) -> dict:

@@ -18,18 +18,10 @@ import torch
 from shardsafe import Checkpointer, verify
 from shardsafe.errors import CheckpointError, CheckpointExistsError
 from shardsafe.megatron import CheckpointingException, ShardedObject, ShardedTensor, convert_megatron, load
-from tests.distributed import run_ranks
+from tests.helpers import megatron_cuts, megatron_reshard, megatron_truth, run_ranks
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 
-from tests.test_megatron_torch_dist import _CUTS, _megatron_save, _reshard, _truth  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def torch_dist_dir(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("megatron") / "iter_0000007")
-    run_ranks(2, _megatron_save, path, timeout=240)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +32,7 @@ def converted(torch_dist_dir, tmp_path_factory) -> str:
 
 
 def _whole_request() -> dict:
-    t = _truth()
+    t = megatron_truth()
     request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in t.items()}
     request["opt_range"] = ShardedTensor.from_rank_offsets_flat("opt", torch.zeros(6), (3, 4), flattened_range=slice(3, 9), replica_id=1)
     request["rng"] = [ShardedObject("rng", None, (2,), (r,), replica_id=1) for r in range(2)]
@@ -64,7 +56,7 @@ def test_a_converted_checkpoint_loads_as_the_torch_dist_one_and_verifies(torch_d
     original = load(_whole_request(), torch_dist_dir, validate_access_integrity=False)
     got = load(_whole_request(), converted, validate_access_integrity=False)
     assert _same(got, original)
-    t = _truth()
+    t = megatron_truth()
     assert all(torch.equal(got[k], v) for k, v in t.items())
     assert torch.equal(got["opt_range"], t["opt"].flatten()[3:9])
     assert got["iteration"] == 7 and vars(got["args"]) == {"lr": 0.25, "tensor_model_parallel_size": 2, "dtype": torch.bfloat16}
@@ -77,18 +69,18 @@ def test_a_converted_checkpoint_loads_as_the_torch_dist_one_and_verifies(torch_d
 
 
 def test_a_converted_checkpoint_loads_into_another_layout_on_two_ranks(converted):
-    assert run_ranks(2, _reshard, converted) == [
+    assert run_ranks(2, megatron_reshard, converted) == [
         {"w": True, "layers": True, "b": True, "opt": True, "rng": 1, "iteration": 7},
         {"w": True, "layers": True, "b": True, "opt": True, "rng": 0, "iteration": 7},
     ]
 
 
 def _ours_save(rank: int, world: int, path: str) -> None:
-    """What ``_megatron_save`` saves, through shardsafe.megatron."""
+    """What ``megatron_torch_dist_save`` saves, through shardsafe.megatron."""
     from shardsafe.megatron import save
 
-    t = _truth()
-    flat = slice(_CUTS[rank], _CUTS[rank + 1])
+    t = megatron_truth()
+    flat = slice(megatron_cuts[rank], megatron_cuts[rank + 1])
     sd = {
         "w": ShardedTensor.from_rank_offsets("w", t["w"][2 * rank : 2 * rank + 2].clone(), (0, rank, world)),
         "layers": ShardedTensor.from_rank_offsets("layers", t["layers"][rank].clone(), (0, rank, world), prepend_axis_num=1),
@@ -121,7 +113,7 @@ def test_convert_streams_chunk_by_chunk_and_reports_progress(torch_dist_dir, tmp
     chunks = [le for _, _, entries in ckpt.tensors.values() for _, le, _ in entries]
     seen: list[tuple[int, int]] = []
     meta = convert_megatron(torch_dist_dir, str(tmp_path / "p"), progress=lambda done, total: seen.append((done, total)))
-    total = sum(t.numel() * t.element_size() for t in _truth().values())
+    total = sum(t.numel() * t.element_size() for t in megatron_truth().values())
     assert len(seen) == len(chunks) and seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     assert sorted(meta.objects) == ["megatron:common", "megatron:config", "rng/shard_0_2", "rng/shard_1_2"]

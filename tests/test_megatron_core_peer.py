@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.helpers import run_ranks
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 

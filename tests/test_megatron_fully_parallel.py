@@ -9,16 +9,12 @@ against plain-torch ground truth, with both exchange algorithms, at the saved la
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import struct
-import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardsafe.format.file_index import SUMS_ENTRY
 from shardsafe.knobs import KNOBS
 from shardsafe.megatron import ShardedTensor, load, save
 from shardsafe.megatron.strategies import (
@@ -27,46 +23,11 @@ from shardsafe.megatron.strategies import (
     ShardsafeLoadShardedStrategy,
     ShardsafeSaveShardedStrategy,
 )
-from shardsafe.storage import open_storage
-from tests.distributed import run_ranks
+from tests.counting_storage import CountingStorage
+from tests.helpers import run_ranks
 
 # no coalescing over gaps: a rank reads exactly the bytes of the chunks it needs
 _KNOBS = dataclasses.replace(KNOBS, coalesce_gap_bytes=0)
-
-
-class CountingStorage:
-    """A local checkpoint directory that counts the bytes read from its data files' chunks (not
-    their headers and checksum entries, which a reader reads once per file it needs)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.inner = open_storage(path)
-        self.data_bytes = 0
-        self._lock = threading.Lock()
-        self._chunks: dict[str, tuple[int, int]] = {}
-
-    def _chunk_span(self, name: str) -> tuple[int, int]:
-        """Where the file's chunks are: after the header, before the checksum entry (a file of
-        another checkpoint format, such as DCP's .distcp: all of it)."""
-        if not name.endswith(".safetensors"):
-            return 0, 1 << 62
-        if name not in self._chunks:
-            with open(os.path.join(self.path, name), "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            sums = header.get(SUMS_ENTRY, {"data_offsets": [os.path.getsize(os.path.join(self.path, name)) - 8 - n] * 2})
-            self._chunks[name] = (8 + n, 8 + n + sums["data_offsets"][0])
-        return self._chunks[name]
-
-    def read_into(self, name: str, offset: int, buffers: list) -> None:
-        self.inner.read_into(name, offset, buffers)
-        start, end = self._chunk_span(name)
-        if start <= offset < end:
-            with self._lock:
-                self.data_bytes += sum(memoryview(b).nbytes for b in buffers)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def _truth() -> dict[str, torch.Tensor]:

@@ -13,8 +13,7 @@ from shardsafe import Checkpointer
 from shardsafe.dist import collective_counts
 from shardsafe.megatron import ShardedTensor, ShardedTensorFactory, load, save
 from shardsafe.megatron.strategies import ShardsafeLoadShardedStrategy
-from tests.distributed import run_ranks
-from tests.test_corruption import _flip_byte
+from tests.helpers import flip_byte, run_ranks
 
 
 def _rows(rank: int, world: int, fill: float | None = None) -> dict:
@@ -88,7 +87,7 @@ def _failures(rank: int, world: int, path: str) -> list[tuple[str, str, bool]]:
 def _damage_rank1_rows(path: str) -> str:
     meta = Checkpointer().get_metadata(path, no_dist=True)
     ((file, spec),) = [(f, s) for f, s in meta.tensors["w"].chunks() if s.global_offset == (2, 0)]
-    _flip_byte(path, file, spec.byte_range[0])  # one byte of rank 1's rows
+    flip_byte(path, file, spec.byte_range[0])  # one byte of rank 1's rows
     return file
 
 

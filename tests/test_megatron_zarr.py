@@ -27,7 +27,7 @@ from shardsafe.megatron import (
     load_tensors_metadata,
 )
 from shardsafe.megatron.strategies import ZarrLoadShardedStrategy
-from tests.distributed import run_ranks
+from tests.helpers import run_ranks
 
 ZARR_DIR = os.path.join(os.path.dirname(__file__), "data", "megatron_zarr")
 _CUTS = (0, 5, 12)

@@ -22,32 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import shardsafe.dcp
 from shardsafe import Checkpointer, CheckpointError, MissingKeyError, PickleNotAllowedError
 
-from .distributed import run_ranks
-
-
-def assert_bitexact(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
-    assert torch.equal(got.reshape(-1).contiguous().view(torch.uint8), want.reshape(-1).contiguous().view(torch.uint8))
-
-
-def assert_same(got: Any, want: Any, where: str = "value") -> None:
-    """Equal, with the same types all the way down (tuple is not list, np.float64 is not float,
-    OrderedDict is not dict), NaN equal to NaN, tensors bit-exact."""
-    assert type(got) is type(want), (where, got, want)
-    if isinstance(want, torch.Tensor):
-        assert_bitexact(got, want)
-    elif isinstance(want, (float, np.floating)) and math.isnan(want):
-        assert math.isnan(got), where
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert_same(a, b, f"{where}[{i}]")
-    elif isinstance(want, dict):
-        assert list(got) == list(want), where
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    else:
-        assert got == want, (where, got, want)
+from .helpers import assert_bits, assert_same, run_ranks
 
 
 def _param_groups() -> list[dict[str, Any]]:
@@ -117,7 +92,7 @@ def test_nested_state_round_trips_under_dcp_keys(tmp_path: Path) -> None:
 
     flat = Checkpointer().unshard(d)  # without a target: the stored flat keys
     assert_same(flat["optim.param_groups"], state["optim"]["param_groups"])
-    assert_bitexact(flat["optim.state.1.exp_avg"], state["optim"]["state"][1]["exp_avg"])
+    assert_bits(flat["optim.state.1.exp_avg"], state["optim"]["state"][1]["exp_avg"])
 
 
 def test_a_flat_state_dict_is_stored_as_before(tmp_path: Path) -> None:
@@ -284,11 +259,11 @@ def test_stateful_values_round_trip(tmp_path: Path) -> None:
     assert target["step"] == 3
     assert counter2.calls == {"state_dict": 1, "load_state_dict": 1}
     assert counter2.n == 5 and counter2.shape == (5,) and type(counter2.scale) is np.float64 and counter2.scale == np.float64(5) / 3
-    assert_bitexact(counter2.hist, torch.arange(4, dtype=torch.float32) * 5)
+    assert_bits(counter2.hist, torch.arange(4, dtype=torch.float32) * 5)
     for p, p2 in zip(model.parameters(), model2.parameters()):
-        assert_bitexact(p2.detach(), p.detach())
+        assert_bits(p2.detach(), p.detach())
         for k, v in optim.state[p].items():
-            assert_bitexact(optim2.state[p2][k], v)
+            assert_bits(optim2.state[p2][k], v)
     assert_same(optim2.param_groups, optim.param_groups, "param_groups")  # OneCycleLR cycles betas[0]: a tuple still
     assert sched2.state_dict() == sched.state_dict()
     # training goes on exactly as the uninterrupted run
@@ -306,8 +281,8 @@ def test_async_save_calls_state_dict_before_it_returns(tmp_path: Path) -> None:
     handle.wait()
     target = {"counter": Counter(1), "model": {"w": torch.zeros(6)}, "cfg": None}
     Checkpointer().load(d, target)
-    assert_bitexact(target["counter"].hist, torch.arange(4, dtype=torch.float32) * 4)
-    assert_bitexact(target["model"]["w"], torch.arange(6, dtype=torch.float32))
+    assert_bits(target["counter"].hist, torch.arange(4, dtype=torch.float32) * 4)
+    assert_bits(target["model"]["w"], torch.arange(6, dtype=torch.float32))
     assert_same(target["cfg"], {"betas": (0.9, 0.99)})
 
 

@@ -14,7 +14,6 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -36,7 +35,7 @@ from shardsafe.knobs import KNOBS
 from shardsafe.storage import ObjectStoreOptions, open_storage
 from shardsafe.storage.object_store import ObjectStorage
 
-from .distributed import run_ranks
+from .helpers import run_process, run_ranks
 from .racing import race_puts
 from .servers import AZURITE_ACCOUNT, AZURITE_KEY, CLOUDS, Cloud, azure_blob_names, cloud, fresh, s3_multipart_uploads
 
@@ -734,5 +733,5 @@ def test_a_process_forked_before_any_use_works() -> None:
     Checkpointer().save(storage, {"w": torch.arange(1000.0)})
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _FORK_FIRST, storage.url, json.dumps(c.options)], env=env, timeout=120)
+    done = run_process([sys.executable, "-c", _FORK_FIRST, storage.url, json.dumps(c.options)], env=env, timeout=120)
     assert done.returncode == 0

@@ -12,7 +12,7 @@ from shardsafe.dist import collective_counts
 from shardsafe.engine import plan_cache
 from shardsafe.knobs import KNOBS
 
-from .distributed import run_ranks
+from .helpers import run_ranks
 
 
 def _state(rank: int, ws: int, *, step: int, shard_dim: int = 0, extra: bool = False, dtype=torch.float32, rows: int = 8):

@@ -20,7 +20,7 @@ from torch import nn
 import shardsafe
 from shardsafe import Checkpointer, CheckpointManager
 
-from .distributed import run_ranks
+from .helpers import run_ranks
 
 CHECKSUMS = "__shardsafe_checksums__"
 

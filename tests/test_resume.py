@@ -3,15 +3,10 @@ parallelism, continue. The losses after the resume are those of the uninterrupte
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-from .distributed import run_ranks
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from .helpers import run_ranks
 
 # one worker runs the whole module, so its module-scoped checkpoints are made once
 pytestmark = pytest.mark.xdist_group("resume")
@@ -20,13 +15,13 @@ K, SAVE_AT = 6, 3
 
 
 def _cfg():
-    from tiny_llama import LlamaConfig
+    from examples.tiny_llama import LlamaConfig
 
     return LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172, max_seq_len=32)
 
 
 def _run(rank, ws, kind, steps, load_from, save_to, split):
-    from tiny_llama import Transformer, make_optimizer, parallelize, train
+    from examples.tiny_llama import Transformer, make_optimizer, parallelize, train
 
     import shardsafe
 

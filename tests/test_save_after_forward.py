@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from .distributed import run_ranks
+from .helpers import run_ranks
 
 # (flavour, world size, how the last forward ran)
 CASES = [

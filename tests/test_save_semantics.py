@@ -37,7 +37,7 @@ from shardsafe.format.file_index import SUMS_ENTRY
 from shardsafe.storage import local as local_storage
 from shardsafe.storage.local import LocalStorage
 
-from .distributed import run_ranks
+from .helpers import run_ranks
 
 META = "metadata.json"
 

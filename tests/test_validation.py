@@ -26,7 +26,7 @@ from shardsafe import Checkpointer, CorruptCheckpointError, PickleNotAllowedErro
 from shardsafe.engine.buffers import Scratch
 from shardsafe.storage import open_storage
 
-from .distributed import run_ranks
+from .helpers import run_ranks
 from .sealing import reseal, seal
 
 META = "metadata.json"

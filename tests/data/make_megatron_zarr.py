@@ -44,7 +44,7 @@ def _save(rank: int, world: int, path: str) -> None:
 
 
 if __name__ == "__main__":
-    from tests.distributed import run_ranks
+    from tests.helpers import run_ranks
 
     out = os.path.abspath(sys.argv[1])
     shutil.rmtree(out, ignore_errors=True)

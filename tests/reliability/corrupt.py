@@ -87,8 +87,9 @@ def _layout(case: Case) -> _Layout:
     return _Layout(sizes, starts, sums, {f: sorted(c) for f, c in sorted(chunks.items())})
 
 
-def draw_damage(rng: random.Random, lay: _Layout) -> Damage:
-    kind = rng.choices(KINDS, WEIGHTS)[0]
+def draw_damage(rng: random.Random, lay: _Layout, kind: str | None = None) -> Damage:
+    """A random damage of ``lay``'s checkpoint: of kind ``kind``, or of one drawn with ``WEIGHTS``."""
+    kind = kind or rng.choices(KINDS, WEIGHTS)[0]
     xor = rng.randrange(1, 256)
     files = sorted(lay.chunks)
     if kind == "data":
@@ -152,7 +153,8 @@ def classify(path: str, res: Result, damage: Damage | None) -> str:
 
 
 def run_corrupt(trials: int, seed: int, *, workdir: str | None = None, sandbox: Sandbox | None = None) -> Report:
-    """Run ``trials`` damaged checkpoints through every read path; see the module docstring."""
+    """Run ``trials`` damaged checkpoints through every read path; see the module docstring. The
+    first ``len(cases) * len(KINDS)`` trials (15) damage every case in every way once."""
     rng = random.Random(seed)
     with campaign("corrupt", workdir, sandbox=sandbox) as (report, root, box):
         cases = build_cases(os.path.join(root, "saved"))
@@ -165,9 +167,10 @@ def run_corrupt(trials: int, seed: int, *, workdir: str | None = None, sandbox: 
                 outcome = classify(path, res, None)
                 if outcome != "correct":
                     report.add(f"intact-{outcome}", f"{case.kind}: {res.error_type} {res.message or res.value}", path=path)
+        pairs = len(cases) * len(KINDS)  # the first trials damage each case in each way once, then at random
         for trial in range(trials):
             case = cases[trial % len(cases)]
-            damage = draw_damage(rng, layouts[case.kind])
+            damage = draw_damage(rng, layouts[case.kind], KINDS[trial // len(cases)] if trial < pairs else None)
             copy = os.path.join(root, f"trial-{trial}")
             shutil.copytree(case.dir, copy)
             apply_damage(copy, damage)

@@ -60,7 +60,7 @@ EXACT_POINTS = [
 
 
 def _start(world: int, root: str, plan: dict[str, Any]) -> list:
-    from ..distributed import free_port
+    from ..helpers import free_port
 
     port = free_port()
     procs = [CONTEXT.Process(target=child, args=(r, world, port, root, plan), daemon=True) for r in range(world)]
@@ -177,7 +177,7 @@ def _check_dir(box: Sandbox, root: str, kind: str, name: str, committed: int | N
         case = Case(kind, d, loaded, True, truths[(kind, loaded)])
         res = box.call(run_path, case, "verify", out, roots=[d, out, *truth_files(case)])
         if res.kind != "returned":
-            found.append(("verify-failed", f"{res.error_type}: {res.message}"))
+            found.append((res.failure("verify-failed"), f"{res.error_type}: {res.message}"))
     # the save after the crash, into the same directory
     res = box.call(resave, d, NEXT_VERSION, loaded is not None, roots=[d])
     if res.kind != "returned":

@@ -15,7 +15,8 @@ Then the directory must load bit-exact as the winner's state (or the previous on
 won), pass ``verify`` (no file it names is missing), and hold no litter. Outcomes besides
 ``ok``: ``both-won``, ``none-won``, ``split-job`` (ranks of one job disagree), ``not-refused``,
 ``lost-checkpoint``, ``silent-wrong-data``, ``verify-failed``, ``litter``,
-``foreign-exception:<type>``, ``hang``.
+``foreign-exception:<type>``, ``hang`` (a job, or the check of the directory, did not finish),
+``worker-crash`` (the check's worker died).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _job_outcome(ranks: list[dict[str, Any]] | str) -> str:
 
 
 def _run_jobs(trial: str, directory: str, mode: str, versions: tuple[int, int], timeout: float) -> tuple[list[Any], list[str]]:
-    from ..distributed import run_ranks
+    from ..helpers import run_ranks
 
     barrier = os.path.join(trial, "barrier")
     os.makedirs(barrier)
@@ -149,11 +150,11 @@ def _check_dir(box: Sandbox, directory: str, accept: list[int], truths: dict[int
         roots = [directory, out, *truth_files(case)]
         res = box.call(run_path, case, "unshard", out, roots=roots)
         if res.kind != "returned":
-            return [f"lost-checkpoint ({res.error_type}: {res.message[:300]})"]
+            return [f"{res.failure('lost-checkpoint')} ({res.error_type}: {res.message[:300]})"]
         if not res.value:
             res = box.call(run_path, case, "verify", out, roots=roots)
             if res.kind != "returned":
-                return [f"verify-failed ({res.error_type}: {res.message[:300]})"]
+                return [f"{res.failure('verify-failed')} ({res.error_type}: {res.message[:300]})"]
             extra = litter(directory, Checkpointer().get_metadata(directory, no_dist=True).data_files())
             return [f"litter ({extra})"] if extra else []
     return [f"silent-wrong-data ({res.value})"]

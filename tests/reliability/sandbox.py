@@ -6,8 +6,13 @@ runs module-level functions in it, one call at a time. Each call:
 - may use at most ``memory_bytes`` of address space beyond what the worker had when the call
   started (``RLIMIT_AS``): a library that trusts a size from a damaged file fails to allocate
   instead of exhausting the machine, and the call is reported with ``memory=True``;
-- gets ``timeout`` seconds (``SIGALRM`` raises in the worker); one that does not come back
-  ``grace`` seconds later either (stuck in C) has its worker killed; both report ``hang``;
+- gets ``timeout`` seconds of the worker's CPU time (``ITIMER_PROF``: ``SIGPROF`` raises in the
+  worker), not of wall time: a machine busy with other jobs slows a call down but does not make
+  it a hang. The parent kills the worker (stuck in C, or blocked) when the call has used
+  ``grace`` more seconds of CPU than that, or when every thread of the worker has slept without
+  using CPU for ``grace`` seconds of wall time (a thread that waits for a core or for the disk
+  is runnable or in disk wait, never asleep: asleep, it waits for something that does not
+  come). All of these report ``hang``. Starting a worker (importing torch) is not part of any call's time;
 - is watched by an audit hook (:func:`sys.addaudithook`): every path it opens, lists, renames,
   links or removes, resolved through symlinks, must lie under one of the call's ``roots``;
   others are reported in ``outside`` (reading Python's own modules and installed packages'
@@ -30,11 +35,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..helpers import Watchdog
 from .report import Report
 
 __all__ = ["CONTEXT", "Result", "Sandbox"]
 
-# forkserver children start in milliseconds with torch already imported (the same preload as tests/distributed.py)
+# forkserver children start in milliseconds with torch already imported (the same preload as tests/helpers.py)
 CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify"])  # shardsafe imports its parts on first use
 
@@ -66,7 +72,12 @@ class Result:
     checkpoint_error: bool = False  # the exception is a shardsafe.errors.CheckpointError
     memory: bool = False  # it failed for lack of memory (the bound was hit)
     outside: list[str] = field(default_factory=list)  # accesses outside the call's roots
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time, for reports; no outcome depends on it
+
+    def failure(self, outcome: str) -> str:
+        """The outcome of a check whose call did not return: ``outcome`` if the call raised; a call
+        that hung or whose worker died says nothing about what it checked, and is named so."""
+        return {"raised": outcome, "hang": "hang", "crashed": "worker-crash"}[self.kind]
 
 
 class CallTimeout(BaseException):
@@ -143,7 +154,8 @@ def _serve(conn, memory_bytes: int) -> None:
     def on_alarm(signum, frame):
         raise CallTimeout()
 
-    signal.signal(signal.SIGALRM, on_alarm)
+    signal.signal(signal.SIGPROF, on_alarm)
+    conn.send("ready")
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     while True:
         try:
@@ -157,15 +169,15 @@ def _serve(conn, memory_bytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
         state.update(roots=tuple(os.path.realpath(r) + os.sep for r in roots), outside=[], active=True)
         start = time.monotonic()
-        signal.setitimer(signal.ITIMER_REAL, timeout)
+        signal.setitimer(signal.ITIMER_PROF, timeout)  # CPU time of the whole worker, every thread
         try:
             try:
                 res = Result("returned", value=fn(*args))
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.setitimer(signal.ITIMER_PROF, 0)
                 state["active"] = False
         except CallTimeout:
-            res = Result("hang", message=f"no answer within {timeout} s")
+            res = Result("hang", message=f"no answer within {timeout} s of CPU time")
         except BaseException as e:  # noqa: BLE001 - reported
             text = f"{e}"
             res = Result(
@@ -198,12 +210,37 @@ class Sandbox:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self) -> None:
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (None before the first call and after a kill)."""
+        return None if self._proc is None else self._proc.pid
+
+    def _start(self) -> str | None:
+        """Start a worker and wait until it is ready; returns why it is not (None: it is)."""
         parent, child = CONTEXT.Pipe()
         self._proc = CONTEXT.Process(target=_serve, args=(child, self.memory_bytes), daemon=True)
         self._proc.start()
         child.close()
         self._conn = parent
+        try:
+            why = self._watch(self.timeout)
+            if why is None and self._conn.recv() == "ready":
+                return None
+        except (EOFError, OSError):
+            why = f"it died while starting (exit code {self._proc.exitcode})"
+        self._stop(kill=True)
+        return why
+
+    def _watch(self, cpu_budget: float) -> str | None:
+        """Wait until the worker has something to say (None), or return why it never will: it used
+        ``cpu_budget + grace`` seconds of CPU, or every thread of it slept without using CPU for
+        ``grace`` seconds of wall time (:class:`tests.helpers.Watchdog`)."""
+        watch = Watchdog([self._proc.pid], idle_s=self.grace, cpu_s=cpu_budget + self.grace)
+        while not self._conn.poll(0.1):
+            why = watch.check()
+            if why is not None:
+                return f"no answer: {why} (killed)"
+        return None
 
     def _stop(self, kill: bool) -> None:
         if self._proc is None:
@@ -226,14 +263,18 @@ class Sandbox:
         self._stop(kill=False)
 
     def call(self, fn: Callable[..., Any], *args: Any, roots: list[str], timeout: float | None = None) -> Result:
-        """Run ``fn(*args)`` in the worker; paths under ``roots`` may be touched."""
+        """Run ``fn(*args)`` in the worker; paths under ``roots`` may be touched. ``timeout`` (or
+        the sandbox's) is in seconds of the worker's CPU time."""
         if self._proc is None:
-            self._start()
+            why = self._start()
+            if why is not None:
+                return Result("crashed", error_type="start", message=f"the worker did not start: {why}")
         t = self.timeout if timeout is None else timeout
         start = time.monotonic()
         try:
             self._conn.send((fn, args, list(roots), t))
-            if self._conn.poll(t + self.grace):
+            why = self._watch(t)
+            if why is None:
                 return self._conn.recv()
         except (EOFError, OSError, BrokenPipeError):
             self._proc.join(timeout=5)
@@ -242,7 +283,7 @@ class Sandbox:
             return Result("crashed", error_type=f"exit {code}", message=f"the worker died (exit code {code})",
                           seconds=time.monotonic() - start)
         self._stop(kill=True)
-        return Result("hang", message=f"no answer within {t + self.grace} s (killed)", seconds=time.monotonic() - start)
+        return Result("hang", message=why, seconds=time.monotonic() - start)
 
 
 @contextmanager

@@ -28,6 +28,8 @@ from safetensors.torch import load_file, save_file
 import shardsafe
 from shardsafe import Checkpointer, ShardedTensor
 
+from ..helpers import bits
+
 __all__ = [
     "KINDS",
     "Case",
@@ -292,10 +294,6 @@ def expected_piece(full: torch.Tensor, piece: Piece) -> torch.Tensor:
     return box.reshape(-1)[flat[0] : flat[1]] if flat is not None else box
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def compare(got: Any, want: Any, where: str) -> str:
     """"" when ``got`` equals ``want`` bit for bit (tensors) or in value and type (JSON values);
     else a description of the first difference."""
@@ -304,8 +302,8 @@ def compare(got: Any, want: Any, where: str) -> str:
             return f"{where}: expected a tensor, got {type(got).__name__}"
         if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
             return f"{where}: expected {want.dtype} {list(want.shape)}, got {got.dtype} {list(got.shape)}"
-        if not torch.equal(_bits(got), _bits(want)):
-            diff = int((_bits(got) != _bits(want)).sum())
+        if not torch.equal(bits(got), bits(want)):
+            diff = int((bits(got) != bits(want)).sum())
             return f"{where}: {diff} byte(s) differ from what was saved"
         return ""
     if isinstance(want, dict):
@@ -331,7 +329,7 @@ def compare(got: Any, want: Any, where: str) -> str:
 
 def build_cases(root: str, *, large: bool = False, version: int = 1) -> list[Case]:
     """Save one checkpoint of every kind under ``root`` (the ``sharded`` one on 2 gloo ranks)."""
-    from ..distributed import run_ranks
+    from ..helpers import run_ranks
 
     cases = [Case(kind, os.path.join(root, kind), version, large) for kind in KINDS]
     for case in cases:

@@ -7,14 +7,18 @@ hundreds of trials. A failure message holds the table of outcomes and examples o
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from . import race
 from .campaigns import FAST, SEED
+from .corrupt import KINDS as DAMAGE_KINDS
 from .corrupt import run_corrupt
 from .fuzz_metadata import run_fuzz
 from .importers import KINDS, run_importers
 from .kill import run_kill
 from .manager import run_manager
 from .race import run_race
+from .sandbox import Result
 
 
 def test_kill_9_leaves_the_last_checkpoint_loadable_and_the_next_save_clean(tmp_path: Path) -> None:
@@ -27,6 +31,7 @@ def test_every_damaged_byte_is_detected_by_every_read_path_that_returns_it(tmp_p
     report = run_corrupt(FAST["corrupt"], SEED, workdir=str(tmp_path))
     assert report.trials == FAST["corrupt"]
     assert report.counts["detected"] > 0
+    assert {p.split("/")[0] for p in report.by_path if "/" in p} == set(DAMAGE_KINDS)  # every kind of damage ran
     assert report.bad == {}, report.failure_message()
 
 
@@ -55,3 +60,26 @@ def test_hostile_foreign_checkpoints_raise_only_checkpoint_errors_in_every_impor
     assert report.counts["detected"] > 0
     assert report.bad == {}, report.failure_message()
     assert sum(report.notes[f"trials:{k}"] for k in KINDS) == report.trials
+
+
+class _Answers:
+    """A sandbox stand-in that answers every call with the same result."""
+
+    def __init__(self, result: Result) -> None:
+        self.result = result
+
+    def call(self, fn: Any, *args: Any, roots: list[str], timeout: float | None = None) -> Result:
+        return self.result
+
+
+def test_a_race_check_that_hangs_is_a_hang_and_one_that_raises_is_a_lost_checkpoint(tmp_path: Path) -> None:
+    """The racing campaign's check of the directory: a load that raised means the checkpoint is
+    lost; one that did not answer (a busy machine, or a hang) is reported as what it was."""
+    args = (str(tmp_path / "ckpt"), [3], {3: str(tmp_path / "truth")}, str(tmp_path / "out"))
+    hung = Result("hang", message="no answer after 35.2 s of CPU time (killed)")
+    assert race._check_dir(_Answers(hung), *args) == ["hang (: no answer after 35.2 s of CPU time (killed))"]
+    died = Result("crashed", error_type="exit -9", message="the worker died (exit code -9)")
+    assert race._check_dir(_Answers(died), *args) == ["worker-crash (exit -9: the worker died (exit code -9))"]
+    lost = Result("raised", error_type="shardsafe.errors.IncompleteCheckpointError", message="no metadata.json",
+                  checkpoint_error=True)
+    assert race._check_dir(_Answers(lost), *args) == ["lost-checkpoint (shardsafe.errors.IncompleteCheckpointError: no metadata.json)"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,17 @@ def _allocate(nbytes: int) -> int:
 
 
 def _sleep(seconds: float) -> str:
+    time.sleep(seconds)
+    return "woke"
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _mark_and_sleep(path: str, seconds: float) -> str:
+    open(path, "w").close()
     time.sleep(seconds)
     return "woke"
 
@@ -48,11 +60,44 @@ def test_memory_beyond_the_bound_fails_and_is_reported(box: Sandbox) -> None:
     assert (res.kind, res.error_type, res.memory) == ("raised", "MemoryError", True)
 
 
-def test_a_call_past_its_time_is_a_hang(box: Sandbox) -> None:
-    res = box.call(_sleep, 30.0, roots=[], timeout=0.3)
-    assert res.kind == "hang"
-    assert res.seconds < 5
+def test_a_call_past_its_cpu_time_is_a_hang_and_the_worker_survives_it(box: Sandbox) -> None:
     assert box.call(_sleep, 0.0, roots=[]).value == "woke"
+    pid = box.pid
+    res = box.call(_spin, roots=[], timeout=0.3)
+    assert (res.kind, res.message) == ("hang", "no answer within 0.3 s of CPU time")  # the worker's own alarm
+    assert box.call(_sleep, 0.0, roots=[]).value == "woke"
+    assert box.pid == pid
+
+
+def test_a_call_blocked_without_using_cpu_is_killed_as_a_hang(box: Sandbox) -> None:
+    res = box.call(_sleep, 3600.0, roots=[], timeout=0.3)
+    assert (res.kind, res.message) == ("hang", "no answer: every thread slept without using CPU for 5.0 s (killed)")
+    assert box.pid is None
+    assert box.call(_sleep, 0.0, roots=[]).value == "woke"  # a new worker
+
+
+def test_a_call_slowed_down_by_a_busy_machine_is_not_a_hang(box: Sandbox, tmp_path: Path) -> None:
+    """The worker is descheduled (SIGSTOP, as a loaded machine does to it) for longer than the
+    call's time: that time is not the call's, so it still answers."""
+    assert box.call(_sleep, 0.0, roots=[]).value == "woke"
+    pid, mark, done = box.pid, tmp_path / "in-call", threading.Event()
+
+    def deschedule() -> None:
+        while not mark.exists() and not done.is_set():
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(2.0)
+        os.kill(pid, signal.SIGCONT)
+
+    pauser = threading.Thread(target=deschedule)
+    pauser.start()
+    try:
+        res = box.call(_mark_and_sleep, str(mark), 0.2, roots=[str(tmp_path)], timeout=1.0)
+    finally:
+        done.set()
+        pauser.join()
+    assert (res.kind, res.value) == ("returned", "woke")
+    assert box.pid == pid
 
 
 def test_a_symlink_out_of_the_root_is_an_outside_access(box: Sandbox, tmp_path: Path) -> None:
