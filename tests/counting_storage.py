@@ -18,6 +18,8 @@ class CountingStorage:
     """A local checkpoint directory that counts the bytes read from its data files' chunks (not
     their headers and checksum entries, which a reader reads once per file it needs)."""
 
+    local_root = None  # read as a remote store is: each chunk once, exactly, no cache-sized steps over whole blocks
+
     def __init__(self, path: str) -> None:
         self.path = path
         self.inner = open_storage(path)
@@ -27,9 +29,13 @@ class CountingStorage:
 
     def _chunk_span(self, name: str) -> tuple[int, int]:
         """Where the file's chunks are: after the header, before the checksum entry (a file of
-        another checkpoint format, such as DCP's .distcp: all of it)."""
-        if not name.endswith(".safetensors"):
+        another checkpoint format, such as DCP's .distcp: all of it; none of a file that holds no
+        tensor data, such as DCP's .metadata or Megatron's common.pt, which importers read through
+        read_into too)."""
+        if name.endswith(".distcp"):
             return 0, 1 << 62
+        if not name.endswith(".safetensors"):
+            return 0, 0
         if name not in self._chunks:
             with open(os.path.join(self.path, name), "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))

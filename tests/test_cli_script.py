@@ -111,9 +111,8 @@ def test_missing_and_non_checkpoint_folders_exit_2_with_the_message(tmp_path, ca
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert (missing.returncode, missing.stdout) == (2, "")
     assert missing.stderr == f"shardsafe inspect: error: {tmp_path / 'nope'}: no such checkpoint: the directory does not exist (is the path mistyped?)\n"
-    with pytest.raises(SystemExit) as e:  # a usage error: argparse's message, exit 2 (in this process: the same parser)
-        main(["inspect"])
-    assert e.value.code == 2 and "the following arguments are required: dir" in capsys.readouterr().err
+    assert main(["inspect"]) == 2  # a usage error: argparse's message, exit 2 (in this process: the same parser)
+    assert "the following arguments are required: dir" in capsys.readouterr().err
 
 
 def test_debug_prints_the_traceback_and_still_exits_2(tmp_path):
@@ -142,6 +141,7 @@ def test_diff_on_s3(s3):
     r, same, missing = run_all([("diff", a, b, "--values"), ("diff", a, a, "--values", "--json"), ("diff", a, url + "-missing")], env=env)
     assert (r.returncode, r.stderr) == (1, ""), r.stderr
     assert r.stdout.splitlines() == [
+        "contents       model.w  stored digests differ",
         "value          step  3 -> 4",
         "max |A-B|      model.w  0.25",
         "A and B differ (2 common tensors, values compared with atol 0)",
@@ -196,7 +196,9 @@ def test_json_keys_of_every_command_are_exact_and_documented(ckpt, tmp_path, cap
     assert (values["same"], values["only_in_a"], values["only_in_b"]) == (False, [], ["model.extra"])
     assert set(values["max_abs_diff"]) == {"model.b", "model.w"}
     one, folder = docs["export"]
-    assert (one["files"], folder["files"], one["tensors"], one["bytes"], one["values"]) == (1, 2, 2, 424, 1)
+    # the model's keys by default: the value "step" is left out, and said so
+    assert (one["files"], folder["files"], one["tensors"], one["bytes"], one["values"]) == (1, 2, 2, 424, 0)
+    assert (one["prefix"], one["left_out"], one["config"]) == ("model.", {"step": 1}, 0)
     assert docs["consolidate"][0] == {"dir": str(ckpt), "out": str(tmp_path / "l.ckpt"), "tensors": 2, "bytes": 424, "file_bytes": (tmp_path / "l.ckpt").stat().st_size}
     assert docs["convert"][0] == {"src": str(tmp_path / "hf.safetensors"), "dst": str(tmp_path / "c"), "from": "hf", "tensors": 2, "values": 1}
 
@@ -206,7 +208,10 @@ def test_json_keys_of_every_command_are_exact_and_documented(ckpt, tmp_path, cap
 
 def test_export_and_convert_draw_a_bar_on_a_terminal_only(ckpt, tmp_path, capsys):
     r, err = on_a_pty([*SCRIPT, "export", str(ckpt), str(tmp_path / "m.safetensors")], ENV)
-    assert r.returncode == 0 and r.stdout == f"exported 2 tensors (424 B) to {tmp_path / 'm.safetensors'}\n".encode()
+    assert r.returncode == 0 and r.stdout == (
+        f"exported 2 tensors (424 B) to {tmp_path / 'm.safetensors'}\n"
+        "the model's keys (model.*, written without 'model.'); left out: 1 under step (--prefix '' exports every key)\n"
+    ).encode()
     assert b"\rexport:   0%|" in err and b"/424 [" in err  # tqdm: bytes done / total, rate, ETA
     torch.save(_state(), tmp_path / "sd.pt")
     r, err = on_a_pty([*SCRIPT, "convert", str(tmp_path / "sd.pt"), str(tmp_path / "c"), "--from", "torch"], ENV)

@@ -173,4 +173,4 @@ def test_the_command_line_converts_from_megatron(torch_dist_dir, tmp_path, capsy
     assert capsys.readouterr().out == f"converted 4 tensors and 4 values from megatron {torch_dist_dir} to {dst}\n"
     assert _same(load(_whole_request(), dst, validate_access_integrity=False), load(_whole_request(), torch_dist_dir, validate_access_integrity=False))
     assert main(["convert", torch_dist_dir, dst, "--from", "megatron"]) == 2
-    assert capsys.readouterr().err == f"shardsafe convert: error: {dst}: a checkpoint is already committed there; pass overwrite=True to replace it\n"
+    assert capsys.readouterr().err == f"shardsafe convert: error: {dst}: a checkpoint is already committed there; pass --overwrite to replace it\n"

@@ -359,7 +359,8 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
         if not out.quiet:
             print(f"shardsafe export: warning: {text}", file=sys.stderr)
     files = counts.get("files", 1)  # one file unless exported to a folder
-    out.doc({"dir": args.dir, "out": args.out, "files": files, **counts, "prefix": prefix, "left_out": left_out})
+    counted = {k: counts[k] for k in ("tensors", "bytes", "file_bytes", "values", "skipped_values")}
+    out.doc({"dir": args.dir, "out": args.out, "files": files, **counted, "config": counts.get("config", 0), "prefix": prefix, "left_out": left_out})
     out.line(
         f"exported {counts['tensors']} tensors ({_human(counts['bytes'])}) to {args.out}"
         + (f" in {files} files + index" if files > 1 else "")
@@ -438,9 +439,9 @@ JSON_SCHEMAS = {
     "stored per-block digests differ), layout_differs ([key]; stored in other chunks or blocks: digests not comparable), max_abs_diff ({key: number, or null "
     "where an element is NaN on one side only}; null without --values), atol",
     "export": "dir, out, files (data files written), tensors, bytes (tensor data), file_bytes (all files written), values "
-    "(JSON values written to __metadata__), skipped_values (pickled values left out), config (with --max-shard-size: 1 if "
-    "config.json was written), prefix (the prefix used; null: every key), left_out ({first part of a key: keys not exported} "
-    "when the prefix was chosen for you)",
+    "(JSON values written to __metadata__), skipped_values (pickled values left out), config (1 if config.json was written "
+    "into the folder, else 0), prefix (the prefix used; null: every key), left_out ({first part of a key: keys not exported} "
+    "when the prefix was chosen for you; empty otherwise)",
     "convert": "src, dst, from, detected (whether the format was detected rather than given with --from), tensors, values",
     "consolidate": "dir, out, tensors, bytes (tensor data), file_bytes (the file written)",
 }
