@@ -35,7 +35,7 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n 2 --dist loadgroup tests
 
-# kill -9, corruption, metadata fuzzing and racing jobs, hundreds of trials each (about 10 minutes);
+# kill -9, corruption, metadata fuzzing, racing jobs and the step manager, hundreds of trials each;
 # `make test` runs a fast seeded subset of the same campaigns
 reliability: $(STAMP)
 	$(PY) -m tests.reliability --full

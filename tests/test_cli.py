@@ -253,6 +253,7 @@ def test_diff_reports_keys_shapes_dtypes_values(tmp_path, capsys):
         "only in B      model.new  [2] float32",
         "shape          model.b  [5] -> [6]",
         "dtype          model.h  bfloat16 -> float32",
+        "contents       model.w  stored digests differ",  # found from the stored digests, no data read
         'value          cfg  {"lr":0.1} -> (absent)',
         "value          step  3 -> 4",
         "A and B differ (3 common tensors)",

@@ -190,14 +190,17 @@ def cmd_diff(args: argparse.Namespace, out: _Out) -> int:
         for k in sorted(set(va) | set(vb))
         if k not in va or k not in vb or va[k] != vb[k] or (k in a.pickled_objects) != (k in b.pickled_objects)
     }
+    changed, incomparable = _digest_changes(a, b, [k for k in common if k not in shape and k not in dtype])
     maxdiff: dict[str, float | None] = {}
     if args.values:
         maxdiff = _max_diffs(args.a, args.b, a, b, [k for k in common if k not in shape], out.progress("diff"))
     over = {k: d for k, d in maxdiff.items() if d is None or d > args.atol}
-    differs = bool(only_a or only_b or shape or dtype or values or over)
+    # stored digests decide without --values; with it, the values within atol do
+    differs = bool(only_a or only_b or shape or dtype or values or over or (changed and not args.values))
     out.doc({
         "a": args.a, "b": args.b, "same": not differs, "only_in_a": only_a, "only_in_b": only_b,
         "shape_changed": shape, "dtype_changed": dtype, "values_changed": values,
+        "contents_changed": changed, "layout_differs": incomparable,
         "max_abs_diff": maxdiff if args.values else None, "atol": args.atol,
     })
     for k in only_a:
@@ -208,6 +211,10 @@ def cmd_diff(args: argparse.Namespace, out: _Out) -> int:
         out.line(f"shape          {k}  {x} -> {y}")
     for k, (x, y) in dtype.items():
         out.line(f"dtype          {k}  {x} -> {y}")
+    for k in changed:
+        out.line(f"contents       {k}  stored digests differ")
+    for k in incomparable:
+        out.line(f"layout         {k}  stored in other chunks or blocks: digests cannot be compared" + ("" if args.values else " (--values compares the data)"))
     for k, (x, y) in values.items():
         if k not in va or k not in vb or (k in a.pickled_objects) != (k in b.pickled_objects):
             fx = "(absent)" if k not in va else _brief(x)
@@ -221,10 +228,38 @@ def cmd_diff(args: argparse.Namespace, out: _Out) -> int:
             out.line(f"max |A-B|      {k}  {'NaN on one side' if d is None else f'{d:.6g}'}")
     if differs:
         out.line(f"A and B differ ({len(common)} common tensors" + (f", values compared with atol {args.atol:g})" if args.values else ")"))
+    elif args.values:
+        out.line(f"no differences in keys, shapes, dtypes and values ({len(common)} tensors; tensor values equal within atol {args.atol:g})")
     else:
-        tail = f"tensor values equal within atol {args.atol:g}" if args.values else "tensor values not compared: pass --values"
-        out.line(f"no differences in keys, shapes, dtypes and values ({len(common)} tensors; {tail})")
+        tail = f"; {len(incomparable)} stored in other layouts not compared: pass --values" if incomparable else ""
+        out.line(f"no differences in keys, shapes, dtypes, values and stored digests ({len(common)} tensors{tail})")
     return EXIT_FOUND if differs else EXIT_OK
+
+
+def _digest_changes(a, b, keys: list[str]) -> tuple[list[str], list[str]]:
+    """The keys whose stored per-block digests differ between ``a`` and ``b`` (contents changed,
+    found without reading any tensor data), and those stored in other chunks, blocks or digest
+    algorithms, whose digests cannot be compared."""
+    changed, incomparable = [], []
+    for k in keys:
+        layout_a, sums_a = _stored_digests(a.tensors[k])
+        layout_b, sums_b = _stored_digests(b.tensors[k])
+        if layout_a != layout_b:
+            incomparable.append(k)
+        elif sums_a != sums_b:
+            changed.append(k)
+    return changed, incomparable
+
+
+def _stored_digests(tm) -> tuple[list, list]:
+    """(layout, digests) of a stored tensor: per chunk, in the order of its place in the tensor,
+    (offset, shape, flattened range, algorithm, block bytes) and the block digests."""
+    rows = []
+    for file, spec in tm.chunks():
+        sums = tm.chunk_sums(file, spec)
+        rows.append(((tuple(spec.global_offset), tuple(spec.local_shape), spec.flattened_range, sums.algorithm, sums.block_bytes), sums.digests))
+    rows.sort(key=lambda r: (r[0][0], r[0][1], r[0][2] or (-1, -1)))
+    return [r[0] for r in rows], [r[1] for r in rows]
 
 
 _ABSENT = object()
@@ -399,7 +434,8 @@ JSON_SCHEMAS = {
     "tensors ({key: {shape, dtype, bytes, chunks, sharded}}), values ({key: JSON value}), pickled_values ([key])",
     "verify": "location, ok, files, chunks, bytes (checked, bad chunks included), errors ([message]; without --all at most one)",
     "diff": "a, b, same, only_in_a ([key]), only_in_b ([key]), shape_changed ({key: [shape in A, shape in B]}), "
-    "dtype_changed ({key: [A, B]}), values_changed ({key: [A, B]}; non-tensor values), max_abs_diff ({key: number, or null "
+    "dtype_changed ({key: [A, B]}), values_changed ({key: [A, B]}; non-tensor values), contents_changed ([key]; the "
+    "stored per-block digests differ), layout_differs ([key]; stored in other chunks or blocks: digests not comparable), max_abs_diff ({key: number, or null "
     "where an element is NaN on one side only}; null without --values), atol",
     "export": "dir, out, files (data files written), tensors, bytes (tensor data), file_bytes (all files written), values "
     "(JSON values written to __metadata__), skipped_values (pickled values left out), config (with --max-shard-size: 1 if "
@@ -417,14 +453,14 @@ def _epilog(command: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     def options(default: bool | str) -> argparse.ArgumentParser:
         # before or after the command; a subcommand's parser must not reset what was given before it
-        parser = argparse.ArgumentParser(add_help=False)
+        parser = _Parser(add_help=False)
         parser.add_argument("--json", action="store_true", default=default, help="print one JSON document on stdout")
         parser.add_argument("--quiet", "-q", action="store_true", default=default, help="print nothing but errors (the exit status tells)")
         parser.add_argument("--debug", action="store_true", default=default, help="print a traceback on error (the exit status stays 2), and debug logging")
         return parser
 
     common = options(argparse.SUPPRESS)
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="shardsafe",
         description="Inspect, verify, compare, export, consolidate and convert shardsafe checkpoints. Exit status: 0 ok, "
         "1 damage (verify) or differences (diff) found, 2 error.",
@@ -449,8 +485,9 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(run=cmd_verify)
 
     s = sub.add_parser("diff", parents=[common], epilog=_epilog("diff"), help="compare two checkpoints",
-                       description="Keys only in A or B, shape and dtype changes, changed non-tensor values; with "
-                       "--values the max abs difference of every common tensor, read one tensor at a time. Exit 1 when they differ.")
+                       description="Keys only in A or B, shape and dtype changes, changed non-tensor values, tensors whose "
+                       "stored per-block digests differ (no tensor data read; tensors stored in other layouts are named, their "
+                       "digests cannot be compared); with --values the max abs difference of every common tensor, read one tensor at a time. Exit 1 when they differ.")
     s.add_argument("a", help="checkpoint A")
     s.add_argument("b", help="checkpoint B")
     s.add_argument("--values", action="store_true", help="compare tensor contents too")
@@ -530,31 +567,74 @@ def _positive(text: str) -> int:
     return n
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+class _UsageError(Exception):
+    """Bad arguments (argparse's error), raised instead of exiting so that ``--json`` reports it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise _UsageError(f"{self.prog}: {message}")
+
+
+# the arguments naming locations, in the order an error's "path" is looked for
+_PATH_ARGS = ("dir", "src", "a", "b", "out", "dst")
+
+
+def _error_path(args: argparse.Namespace | None, message: str) -> str | None:
+    """The location an error is about: the command's location argument its message names (the
+    first, if it names none), or None for a command without one."""
+    given = [getattr(args, n) for n in _PATH_ARGS if isinstance(getattr(args, n, None), str)]
+    for path in given:
+        if path and (path in message or os.path.abspath(path) in message):
+            return path
+    return given[0] if given else None
+
+
+def _report_error(args: argparse.Namespace | None, command: str, e: BaseException, *, as_json: bool) -> None:
+    """One error: a line on stderr, and with ``--json`` one object on stdout (``{"error": {type,
+    message, path}}``), whatever the command."""
     from .errors import CheckpointError
 
-    args = _parser().parse_args(argv)
+    known = isinstance(e, (CheckpointError, _UsageError))
+    text = _flag_words(str(e), args) if known else f"{type(e).__name__}: {e}"
+    if as_json:
+        kind = "UsageError" if isinstance(e, _UsageError) else type(e).__name__
+        print(json.dumps({"error": {"type": kind, "message": text, "path": _error_path(args, text)}}, indent=2))
+    if isinstance(e, _UsageError):
+        print(text, file=sys.stderr)
+        return
+    hint = "" if known or (args is not None and args.debug) else " (run with --debug for a traceback)"
+    print(f"shardsafe {command}: error: {text}{hint}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Every failure exits 2 (1 is for damage or differences found): a line on stderr, and with
+    ``--json`` one ``{"error": {"type", "message", "path"}}`` object on stdout."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as e:
+        _report_error(None, "", e, as_json=as_json)
+        return EXIT_ERROR
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     out = _Out(args)
     try:
         return args.run(args, out)
-    except CheckpointError as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"shardsafe {args.command}: error: {_flag_words(str(e), args)}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"shardsafe {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as a Unix tool would
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush must not fail again
         return EXIT_BROKEN_PIPE
-    except Exception as e:  # noqa: BLE001 - a bug, or an error we do not name yet: say what, briefly
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a CheckpointError; else a bug, or a BaseException a dependency raised (torch's CheckpointException)
         if args.debug:
             traceback.print_exc()
-            print(f"shardsafe {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
-            return EXIT_ERROR
-        print(f"shardsafe {args.command}: error: {type(e).__name__}: {e} (run with --debug for a traceback)", file=sys.stderr)
+        _report_error(args, args.command, e, as_json=args.json)
     return EXIT_ERROR
 
 

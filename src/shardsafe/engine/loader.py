@@ -27,7 +27,7 @@ from ..format.values import decode_objects
 from ..knobs import Knobs
 from ..storage import Storage
 from .background import wait_for_location
-from .bounds import check_files_hold
+from .bounds import check_files_hold, read_limited
 from .file_index import bind_files
 from .foreign import missing_metadata_error
 from .reader import Reader
@@ -48,7 +48,7 @@ def read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
 
     def read() -> bytes:
         try:
-            return storage.read(METADATA_FILENAME)
+            return read_limited(storage, METADATA_FILENAME)  # a file grown sparse is refused, not read whole
         except FileNotFoundError as e:  # another library's checkpoint, uncommitted, or nothing there
             raise missing_metadata_error(storage, METADATA_FILENAME, e) from None
 
