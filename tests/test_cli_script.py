@@ -198,7 +198,7 @@ def test_json_keys_of_every_command_are_exact_and_documented(ckpt, tmp_path, cap
     one, folder = docs["export"]
     assert (one["files"], folder["files"], one["tensors"], one["bytes"], one["values"]) == (1, 2, 2, 424, 1)
     assert docs["consolidate"][0] == {"dir": str(ckpt), "out": str(tmp_path / "l.ckpt"), "tensors": 2, "bytes": 424, "file_bytes": (tmp_path / "l.ckpt").stat().st_size}
-    assert docs["convert"][0] == {"src": str(tmp_path / "hf.safetensors"), "dst": str(tmp_path / "c"), "from": "hf", "tensors": 2, "values": 1}
+    assert docs["convert"][0] == {"src": str(tmp_path / "hf.safetensors"), "dst": str(tmp_path / "c"), "from": "hf", "detected": False, "tensors": 2, "values": 1}
 
 
 # ------------------------------------------------------------------ progress bars
@@ -206,7 +206,10 @@ def test_json_keys_of_every_command_are_exact_and_documented(ckpt, tmp_path, cap
 
 def test_export_and_convert_draw_a_bar_on_a_terminal_only(ckpt, tmp_path, capsys):
     r, err = on_a_pty([*SCRIPT, "export", str(ckpt), str(tmp_path / "m.safetensors")], ENV)
-    assert r.returncode == 0 and r.stdout == f"exported 2 tensors (424 B) to {tmp_path / 'm.safetensors'}\n".encode()
+    assert r.returncode == 0 and r.stdout == (
+        f"exported 2 tensors (424 B) to {tmp_path / 'm.safetensors'}\n"
+        "the model's keys (model.*, written without 'model.'); left out: step (--prefix '' exports every key)\n"
+    ).encode()
     assert b"\rexport:   0%|" in err and b"/424 [" in err  # tqdm: bytes done / total, rate, ETA
     torch.save(_state(), tmp_path / "sd.pt")
     r, err = on_a_pty([*SCRIPT, "convert", str(tmp_path / "sd.pt"), str(tmp_path / "c"), "--from", "torch"], ENV)

@@ -359,7 +359,7 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
         if not out.quiet:
             print(f"shardsafe export: warning: {text}", file=sys.stderr)
     files = counts.get("files", 1)  # one file unless exported to a folder
-    out.doc({"dir": args.dir, "out": args.out, "files": files, **counts, "prefix": prefix, "left_out": left_out})
+    out.doc({"dir": args.dir, "out": args.out, "files": files, **counts, "config": counts.get("config", 0), "prefix": prefix, "left_out": left_out})
     out.line(
         f"exported {counts['tensors']} tensors ({_human(counts['bytes'])}) to {args.out}"
         + (f" in {files} files + index" if files > 1 else "")
@@ -367,7 +367,7 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
         + (f"; {counts['skipped_values']} pickled value(s) left out" if counts["skipped_values"] else "")
     )
     if left_out:
-        what = ", ".join(f"{n} under {p}" for p, n in left_out.items())
+        what = ", ".join(f"{n} under {p}" if p.endswith(".") else p for p, n in left_out.items())
         out.line(f"the model's keys ({prefix}*, written without {prefix!r}); left out: {what} (--prefix '' exports every key)")
     return EXIT_OK
 
