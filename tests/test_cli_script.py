@@ -196,7 +196,8 @@ def test_json_keys_of_every_command_are_exact_and_documented(ckpt, tmp_path, cap
     assert (values["same"], values["only_in_a"], values["only_in_b"]) == (False, [], ["model.extra"])
     assert set(values["max_abs_diff"]) == {"model.b", "model.w"}
     one, folder = docs["export"]
-    assert (one["files"], folder["files"], one["tensors"], one["bytes"], one["values"]) == (1, 2, 2, 424, 1)
+    assert (one["files"], folder["files"], one["tensors"], one["bytes"], one["values"]) == (1, 2, 2, 424, 0)
+    assert (one["prefix"], one["left_out"], one["config"]) == ("model.", {"step": 1}, 0)  # the model's keys by default
     assert docs["consolidate"][0] == {"dir": str(ckpt), "out": str(tmp_path / "l.ckpt"), "tensors": 2, "bytes": 424, "file_bytes": (tmp_path / "l.ckpt").stat().st_size}
     assert docs["convert"][0] == {"src": str(tmp_path / "hf.safetensors"), "dst": str(tmp_path / "c"), "from": "hf", "detected": False, "tensors": 2, "values": 1}
 
