@@ -408,7 +408,7 @@ def test_not_a_committed_checkpoint(tmp_path):
     for where, what in (
         (empty, "not a checkpoint: nothing is there (an empty directory, or no object under this prefix); a checkpoint holds metadata.json"),
         (tmp_path / "absent", "no such checkpoint: the directory does not exist (is the path mistyped?)"),
-        (interrupted, r"not a committed checkpoint: it holds \d+ file\(s\) but has no metadata.json"),
+        (interrupted, "not a committed checkpoint: it holds 1 file(s) but has no metadata.json (was the save interrupted"),
     ):
         for call in (
             functools.partial(shardsafe.load_model_and_optim_state, str(where), model),
@@ -416,7 +416,7 @@ def test_not_a_committed_checkpoint(tmp_path):
             functools.partial(shardsafe.unshard_optim_state, str(where)),
         ):
             with pytest.raises(
-                shardsafe.IncompleteCheckpointError, match=f"^{re.escape(str(where))}: {what}"
+                shardsafe.IncompleteCheckpointError, match="^" + re.escape(f"{where}: {what}")
             ):
                 call()
 

@@ -70,13 +70,16 @@ def _save_then_load(rank, ws, flavour, how, with_optim, path):
         model(torch.ones(4, 16)).sum().backward()
         optim.step()
         optim.zero_grad()
-    want = _forward(model, how)  # the last forward: no backward after it
-    shardsafe.save_model_and_optim_state(path, model, optim)
-    truth = _full(model)
+    truth = _full(model)  # before the forward: torch's state_dict() reshards, which is what is tested here
     truth_optim = {k: v for k, v in (optim.state_dict()["state"].items() if optim else [])}
     truth_optim = {
         (i, n): (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() for i, st in truth_optim.items() for n, t in st.items()
     }
+    want = _forward(model, how)  # the last forward: no backward after it
+    shardsafe.save_model_and_optim_state(path, model, optim)
+    # what inspect shows: the root's parameters stored as each rank's shard, not as whole copies
+    stored = shardsafe.Checkpointer().get_metadata(path, no_dist=True).tensors["model.2.weight"]
+    assert (stored.is_sharded, stored.chunk_count()) == (ws > 1, ws), (stored.is_sharded, stored.chunk_count())
 
     other = _model(flavour, how, seed=1)  # other values; it too has just run a forward
     other_optim = torch.optim.AdamW(other.parameters(), lr=0.1) if with_optim else None

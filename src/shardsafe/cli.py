@@ -331,7 +331,7 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
 
     import torch
 
-    from .api import unshard_to_safetensors
+    from .engine.consolidate import unshard_to_safetensors
 
     if args.config is not None and args.max_shard_size is None:
         raise _usage_error("--config writes config.json into a folder: pass --max-shard-size as well (5GB is transformers' default)")
@@ -359,8 +359,7 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
         if not out.quiet:
             print(f"shardsafe export: warning: {text}", file=sys.stderr)
     files = counts.get("files", 1)  # one file unless exported to a folder
-    counted = {k: counts[k] for k in ("tensors", "bytes", "file_bytes", "values", "skipped_values")}
-    out.doc({"dir": args.dir, "out": args.out, "files": files, **counted, "config": counts.get("config", 0), "prefix": prefix, "left_out": left_out})
+    out.doc({"dir": args.dir, "out": args.out, "files": files, **counts, "config": counts.get("config", 0), "prefix": prefix, "left_out": left_out})
     out.line(
         f"exported {counts['tensors']} tensors ({_human(counts['bytes'])}) to {args.out}"
         + (f" in {files} files + index" if files > 1 else "")
@@ -368,7 +367,7 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
         + (f"; {counts['skipped_values']} pickled value(s) left out" if counts["skipped_values"] else "")
     )
     if left_out:
-        what = ", ".join(f"{n} under {p}" for p, n in left_out.items())
+        what = ", ".join(f"{n} under {p}" if p.endswith(".") else p for p, n in left_out.items())
         out.line(f"the model's keys ({prefix}*, written without {prefix!r}); left out: {what} (--prefix '' exports every key)")
     return EXIT_OK
 
@@ -439,9 +438,9 @@ JSON_SCHEMAS = {
     "stored per-block digests differ), layout_differs ([key]; stored in other chunks or blocks: digests not comparable), max_abs_diff ({key: number, or null "
     "where an element is NaN on one side only}; null without --values), atol",
     "export": "dir, out, files (data files written), tensors, bytes (tensor data), file_bytes (all files written), values "
-    "(JSON values written to __metadata__), skipped_values (pickled values left out), config (1 if config.json was written "
-    "into the folder, else 0), prefix (the prefix used; null: every key), left_out ({first part of a key: keys not exported} "
-    "when the prefix was chosen for you; empty otherwise)",
+    "(JSON values written to __metadata__), skipped_values (pickled values left out), config (with --max-shard-size: 1 if "
+    "config.json was written), prefix (the prefix used; null: every key), left_out ({first part of a key: keys not exported} "
+    "when the prefix was chosen for you)",
     "convert": "src, dst, from, detected (whether the format was detected rather than given with --from), tensors, values",
     "consolidate": "dir, out, tensors, bytes (tensor data), file_bytes (the file written)",
 }
