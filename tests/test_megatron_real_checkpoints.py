@@ -20,7 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from shardsafe.megatron import CheckpointingException, ShardedObject, ShardedTensor, convert_megatron, load, load_common_state_dict
+from shardsafe.megatron import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+    convert_megatron,
+    load,
+    load_common_state_dict,
+)
 from tests.distributed import run_ranks
 
 pytest.importorskip("megatron.core.dist_checkpointing")
@@ -102,6 +109,17 @@ def _megatron_save(rank: int, world: int, path: str) -> None:
     }
     os.makedirs(path, exist_ok=True)
     mdc.save(sd, path)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_registered_with_torch():
+    """Loads as in a process that never imported megatron-core: importing it (this module does,
+    to save) registers its safe globals with torch for the whole process, which would let
+    ``torch.load(weights_only=True)`` pass what these tests must see shardsafe read by itself."""
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    yield
+    torch.serialization.add_safe_globals(registered)
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,7 @@ def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str
 def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> StateDict:
     """Megatron's ``common.pt`` in ``checkpoint_dir`` (``{}`` if there is none); see :func:`safe_torch_load`."""
     storage = open_storage(location(checkpoint_dir))
+    where = f"{storage.url.rstrip('/')}/{COMMON_FNAME}"
     try:
         raw = storage.read(COMMON_FNAME)
     except FileNotFoundError:
@@ -65,7 +66,6 @@ def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, 
     finally:
         if storage is not checkpoint_dir:
             storage.close()
-    where = f"{checkpoint_dir}/{COMMON_FNAME}"
     common = safe_torch_load(bytes(raw), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
     if not isinstance(common, dict):
         raise CheckpointingException(f"{where} holds a {type(common).__name__}, not a dict")
