@@ -218,3 +218,21 @@ def test_a_common_pt_or_sharded_object_naming_os_system_is_refused_naming_it_and
         convert_megatron(bad, str(tmp_path / "out"))
     assert not marker.exists()
     assert not os.path.exists(tmp_path / "out" / "metadata.json")
+
+
+def test_without_megatron_core_the_enums_convert_as_stand_ins_and_load_as_megatrons_where_it_is(megatron_dir, tmp_path, monkeypatch):
+    import sys
+
+    real = _enums()
+    for module in ("megatron.core.enums", "megatron.core.transformer.enums", "megatron.core.rerun_state_machine"):
+        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError: as where megatron-core is not installed
+    out = str(tmp_path / "converted")
+    convert_megatron(megatron_dir, out)
+    args = load_common_state_dict(out)["args"]
+    assert type(args.model_type).__module__ == "shardsafe.format.safe_pickle"
+    assert (args.model_type.name, args.model_type.value) == ("encoder_or_decoder", 1)
+    assert (args.attention_backend.name, args.attention_backend.value) == ("flash", 1)
+    monkeypatch.undo()
+    common = load_common_state_dict(out)
+    assert common["args"].model_type is real[0].encoder_or_decoder and common["args"].attention_backend is real[1].flash
+    assert common["rerun_state_machine"] == {"mode": real[2].DISABLED, "state": real[3].NOT_RUNNING_YET}
