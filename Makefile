@@ -21,6 +21,7 @@ demo-reshard: $(STAMP)
 	$(PY) examples/reshard_demo.py
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n 2 --dist loadgroup tests
 
 # kill -9, corruption, metadata fuzzing and racing jobs, hundreds of trials each (about 10 minutes);
@@ -30,6 +31,7 @@ reliability: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/lint-imports
 
 bench-plan: $(STAMP)
 	$(PY) benchmarks/bench_planner.py

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import shardsafe
 from shardsafe import Checkpointer, CorruptCheckpointError, ShardedTensor, ShardingError
+from shardsafe.engine.file_index import bind_files
 from shardsafe.format.chunk_table import ChunkTable, decode_runs, encode_runs
-from shardsafe.planning.geometry import check_tiling
+from shardsafe.format.geometry import check_tiling
 
 from .simulate import simulate_save
 
@@ -172,8 +173,8 @@ def test_the_other_ranks_parse_of_their_coordinators_metadata_is_what_from_json_
             assert (a.flat is None and b.flat is None) or a.flat.tolist() == b.flat.tolist()
             assert own.tensors[key]._doc is own and own.tensors[key]._key == key and own.tensors[key]._checksum == own.checksum
         storage = shardsafe.storage.open_storage(path)
-        assert {k: list(t.chunks()) for k, t in own.bind(storage).tensors.items()} == {
-            k: list(t.chunks()) for k, t in checked.bind(storage).tensors.items()
+        assert {k: list(t.chunks()) for k, t in bind_files(own, storage).tensors.items()} == {
+            k: list(t.chunks()) for k, t in bind_files(checked, storage).tensors.items()
         }
     damaged = raw.replace(b'"step":3', b'"step":4')
     with pytest.raises(CorruptCheckpointError, match="checksum"):

@@ -24,7 +24,6 @@ from ._args import check_arg, check_bool
 from ._progress import progress_callback
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, PickleNotAllowedError, StorageError
 from .storage import Location, open_storage
-from .storage.local import LocalStorage
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +118,8 @@ def _write(
     tensor, called once, when it is written) in one data file per list of keys in ``files``, and
     ``values``, as a checkpoint at ``dst``, committed last."""
     from .engine.commit import committed_version
-    from .engine.objects import encode_objects
     from .engine.rewrite import Chunk, write_checkpoint
+    from .format.values import encode_objects
     from .knobs import KNOBS
 
     started = time.monotonic()
@@ -179,12 +178,12 @@ def convert_hf(
     values = {k: _value(v) for k, v in hf.metadata.items() if k != "format" and k not in hf.tensors}
     maps: dict[str, mmap.mmap | None] = {}
     try:
-        if isinstance(hf.storage, LocalStorage):
+        if hf.storage.local_root is not None:
 
             def load(key: str) -> torch.Tensor:
                 file, (spec,) = specs[key]
                 if file not in maps:
-                    with open(os.path.join(hf.storage.root, file), "rb") as f:  # type: ignore[attr-defined]
+                    with open(os.path.join(hf.storage.local_root, file), "rb") as f:
                         size = os.fstat(f.fileno()).st_size
                         maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
                 a, b = spec.byte_range

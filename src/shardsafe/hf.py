@@ -32,7 +32,7 @@ from .errors import CorruptCheckpointError, IncompleteCheckpointError, StorageEr
 from .format.checksum import ChunkSums
 from .format.dtypes import SAFETENSORS_CODE
 from .format.metadata import MAX_NDIM, MAX_SIZE, TensorShardSpec, TensorStorageMetadata
-from .format.safetensors_file import parse_header
+from .format.safetensors_file import MAX_HEADER, parse_header
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
 from .storage.base import url_scheme
@@ -44,7 +44,6 @@ __all__ = ["HFModel", "load_hf_safetensors", "open_hf_model"]
 
 log = logging.getLogger(__name__)
 
-_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 _BY_CODE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
 
 
@@ -164,8 +163,8 @@ def _read_header(storage: Storage, file: str, where: str) -> bytes:
         head = bytearray(8)
         storage.read_into(file, 0, [memoryview(head)])
         n = int.from_bytes(head, "little")
-        if n > _MAX_HEADER:
-            raise CorruptCheckpointError(f"{fwhere}: not a valid safetensors file: header length {n} exceeds the {_MAX_HEADER}-byte limit")
+        if n > MAX_HEADER:
+            raise CorruptCheckpointError(f"{fwhere}: not a valid safetensors file: header length {n} exceeds the {MAX_HEADER}-byte limit")
         raw = bytearray(8 + n)
         storage.read_into(file, 0, [memoryview(raw)])
     except FileNotFoundError:
@@ -240,8 +239,9 @@ def load_hf_safetensors(
     callable is called on every rank as ``progress(done, total)`` with the bytes of this rank's
     parameters and buffers filled so far.
     """
-    from .api import MODEL_PREFIX, _check_model_keys
-    from .checkpointer import _check_targets
+    from .adapters.keys import MODEL_PREFIX
+    from .api import check_model_keys
+    from .engine.loader import check_targets
 
     check_arg("load_hf_safetensors", "model", model, nn.Module)
     check_arg("load_hf_safetensors", "prefix", prefix, str, optional=True)
@@ -259,10 +259,10 @@ def load_hf_safetensors(
     def run() -> int:
         params, buffers = model_state(model)
         as_model = {MODEL_PREFIX + k[len(pre) :]: t for k, t in stored.items()}
-        _check_model_keys(as_model, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
+        check_model_keys(as_model, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
         values = {pre + i.fqn: i.sharded(pre + i.fqn, i.tensor) for i in [*params, *buffers] if not i.holds_nothing}
         tensors, _ = describe_state(values, targets=True)
-        _check_targets(_Tensors(stored), tensors, [], hf.where)
+        check_targets(_Tensors(stored), tensors, [], hf.where)
         check_files_hold(hf.storage, ((t.key, stored[t.key]) for t in tensors))
         with Reader(hf.storage, knobs) as reader:
             reader.load_tensors(((stored[t.key], t) for t in tensors), targets_done(bar, tensors))
@@ -279,7 +279,7 @@ def load_hf_safetensors(
 
 
 class _Tensors:
-    """What :func:`_check_targets` reads of a checkpoint's metadata: its tensors."""
+    """What :func:`~shardsafe.engine.loader.check_targets` reads of a checkpoint's metadata: its tensors."""
 
     def __init__(self, tensors: dict[str, TensorStorageMetadata]) -> None:
         self.tensors = tensors

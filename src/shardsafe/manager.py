@@ -35,13 +35,13 @@ from torch import nn
 from ._args import check_arg, check_bool
 from ._progress import Progress, rank_progress
 from .adapters.stateful import ExtraRestore, check_extra, extra_targets, extra_values
-from .api import _load_state, model_and_optim_values
-from .checkpointer import Checkpointer
+from .api import load_model_and_more, model_and_optim_values
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
+from .engine.writer import async_save_state
 from .errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError, RankMismatchError
 from .format.metadata import METADATA_FILENAME, StorageMetadata
-from .knobs import Knobs
+from .knobs import KNOBS, Knobs
 from .storage import Directory, Location, open_storage
 
 if TYPE_CHECKING:
@@ -113,10 +113,10 @@ class CheckpointManager:
         self.keep_last, self.keep_every, self.save_interval = keep_last, keep_every, save_interval
         self._async = async_save
         self._group = process_group
-        self._ckpt = Checkpointer(knobs=knobs)
+        self._knobs = knobs or KNOBS
         self._root = _open_root(root)
         self.root = self._root.url
-        self._comm = get_comm(process_group=process_group, call="shardsafe.CheckpointManager", timeout_s=self._ckpt.knobs.collective_timeout_s)
+        self._comm = get_comm(process_group=process_group, call="shardsafe.CheckpointManager", timeout_s=self._knobs.collective_timeout_s)
         # the first rank cleans up and lists; the broadcast is also the barrier that keeps the others from racing it
         self._steps: list[int] = self._comm.broadcast(self._scan)
         self._inflight: tuple[int, AsyncSave[Any]] | None = None
@@ -230,8 +230,13 @@ class CheckpointManager:
             raise RankMismatchError(f"{func}: step {step}: every rank must pass the same extra names ({detail})")
         state = built
         # the ranks meet in the background; only committed-or-not travels back, not the metadata
-        save_comm = self._ckpt._comm("async_save", False, self._group, arrive=False)
-        handle = self._ckpt._async_save(self._root.child(step_dir_name(step)), state, False, save_comm, want_meta=False, progress=bar)
+        save_comm = get_comm(
+            process_group=self._group, call="shardsafe.CheckpointManager.save", timeout_s=self._knobs.collective_timeout_s, arrive=False
+        )
+        handle = async_save_state(
+            self._root.child(step_dir_name(step)), state, save_overwrite=False, allow_pickle=False, comm=save_comm, knobs=self._knobs,
+            want_meta=False, progress=bar,
+        )
         self._inflight = (step, handle)
         self._requested = False
         if not self._async:
@@ -314,7 +319,9 @@ class CheckpointManager:
             for item in plan:
                 item.apply(loaded, storage.url)
 
-        _load_state(self._ckpt, storage, comm, model, optim, validate=True, more_targets=targets, more_apply=apply, progress=progress)
+        load_model_and_more(
+            storage, comm, model, optim, knobs=self._knobs, validate=True, more_targets=targets, more_apply=apply, progress=progress
+        )
 
     # --- end ------------------------------------------------------------------------------------------
 
@@ -353,7 +360,7 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager.{method}: the manager of {self.root} is closed; create a new one")
 
     def _call_comm(self, method: str = "save") -> Comm:
-        return get_comm(process_group=self._group, call=f"shardsafe.CheckpointManager.{method}", timeout_s=self._ckpt.knobs.collective_timeout_s)
+        return get_comm(process_group=self._group, call=f"shardsafe.CheckpointManager.{method}", timeout_s=self._knobs.collective_timeout_s)
 
     def _step_url(self, step: int) -> str:
         return f"{self.root.rstrip('/')}/{step_dir_name(step)}"

@@ -8,7 +8,7 @@ checkpoint (written by ``Checkpointer``, ``save_model_and_optim_state`` or
 shardsafe checkpoints: every stored chunk is shown to DCP's planner as boxes. A box chunk is one
 DCP chunk; a flattened-range chunk (FSDP1 flat parameters, distributed optimizers) is the
 row-major slice of a box, which is exactly a few boxes (at most ``2 * ndim - 1``, see
-:func:`shardsafe.planning.geometry.flat_segments`), each contiguous in the file: each is one DCP
+:func:`shardsafe.format.geometry.flat_segments`), each contiguous in the file: each is one DCP
 chunk. Every read item DCP plans is then a box copy out of one of them, run by shardsafe's reader:
 in place into the target where it can, widened to whole checksum blocks, every block checked.
 Non-tensor values are shown under their own keys and, for containers stored whole under one key
@@ -16,7 +16,7 @@ Non-tensor values are shown under their own keys and, for containers stored whol
 (``optim.param_groups.0.lr``), so a DCP state dict finds them.
 
 DCP checkpoints: ``.metadata`` is unpickled through an allowlist (:mod:`.dcp_format`); each stored
-chunk is read once (exactly its byte range), loaded with ``torch.load(weights_only=True)`` and
+chunk is read once (exactly its byte range), loaded by shardsafe's restricted unpickler and
 copied into every target box that needs it. DCP stores no checksums.
 
 Call order (DCP's): ``reset`` -> ``read_metadata`` (all ranks) -> ``set_up_storage_reader`` ->
@@ -47,7 +47,8 @@ from torch.futures import Future
 from .._args import check_bool
 from ..adapters import LocalTensor
 from ..engine.background import wait_for_location
-from ..engine.objects import decode_objects
+from ..engine.file_index import bind_files
+from ..engine.foreign import missing_metadata_error
 from ..engine.reader import Reader
 from ..errors import (
     CheckpointError,
@@ -56,9 +57,9 @@ from ..errors import (
     IncompleteCheckpointError,
     ShapeMismatchError,
 )
-from ..foreign import missing_metadata_error
 from ..format.dtypes import dtype_name
 from ..format.metadata import METADATA_FILENAME, StorageMetadata
+from ..format.values import decode_objects
 from ..knobs import KNOBS, Knobs
 from ..planning.read_plan import ReadItem as OurReadItem
 from ..planning.read_plan import StoredIndex
@@ -111,7 +112,7 @@ class StorageReader(Located, _DcpStorageReader):
         except FileNotFoundError:
             raw = None
         if raw is not None:
-            meta = StorageMetadata.from_json(raw, where=f"{storage.url.rstrip('/')}/{METADATA_FILENAME}").bind(storage)
+            meta = bind_files(StorageMetadata.from_json(raw, where=f"{storage.url.rstrip('/')}/{METADATA_FILENAME}"), storage)
             self._ours = _OurCheckpoint(meta)
             return self._ours.dcp_metadata(storage.url, self.load_id)
         try:

@@ -45,10 +45,10 @@ from ..errors import (
 )
 from ..format.checksum import ChunkSums
 from ..format.dtypes import SAFETENSORS_CODE
+from ..format.geometry import row_major_strides
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, keys_under
 from ..format.safetensors_file import FileEntry, layout_file
 from ..knobs import KNOBS, Knobs
-from ..planning.geometry import row_major_strides
 from ..storage import Writer, open_storage
 from ..storage.base import check_local_path, check_name, url_scheme
 from ..storage.local import LocalStorage
@@ -116,8 +116,8 @@ def unshard_to_safetensors(
     with ``max_shard_size`` ``files`` (data files written), ``values`` (JSON values written to ``__metadata__``), ``skipped_values``
     (pickled values left out).
     """
-    from ..checkpointer import _read_metadata  # the one metadata reader (incomplete-checkpoint errors)
     from ..dist import get_comm
+    from .loader import read_metadata  # the one metadata reader (incomplete-checkpoint errors)
 
     check_arg("unshard_to_safetensors", "out_path", out_path, (str, os.PathLike))
     check_arg("unshard_to_safetensors", "prefix", prefix, str, optional=True)
@@ -135,7 +135,7 @@ def unshard_to_safetensors(
     folder = _Folder(out, overwrite=overwrite) if max_shard_size is not None else None
     single = None if folder is not None else _Output(out, overwrite=overwrite, knobs=knobs)
     storage = open_storage(dir)
-    meta = _read_metadata(storage, get_comm(no_dist=True))
+    meta = read_metadata(storage, get_comm(no_dist=True))
     tensors, values, skipped = _select(meta, prefix, storage.url)
     check_files_hold(storage, tensors.values())  # before allocating from their sizes
     file_meta = {FORMAT_TAG[0]: FORMAT_TAG[1], **{k: json.dumps(v, separators=(",", ":")) for k, v in values.items()}}
@@ -437,7 +437,10 @@ class _Output:
 
     def publish(self) -> None:
         if self.store is None:
-            _publish(os.path.join(self.parent, self.name), self.where, overwrite=self.overwrite)
+            try:
+                LocalStorage(self.parent, knobs=self.knobs).publish(self.name, os.path.basename(self.where), overwrite=self.overwrite)
+            except FileExistsError:
+                raise CheckpointExistsError(f"{self.where}: file exists; pass overwrite=True to replace it") from None
 
     def discard(self) -> None:
         if self.store is None:
@@ -446,20 +449,3 @@ class _Output:
             except FileNotFoundError:
                 pass
 
-
-def _publish(tmp: str, out: str, *, overwrite: bool) -> None:
-    try:
-        if overwrite:
-            os.replace(tmp, out)
-        else:
-            os.link(tmp, out)  # fails if ``out`` appeared meanwhile: never clobber
-            os.unlink(tmp)
-        dfd = os.open(os.path.dirname(out), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except FileExistsError:
-        raise CheckpointExistsError(f"{out}: file exists; pass overwrite=True to replace it") from None
-    except OSError as e:
-        raise StorageError(f"{out}: cannot move the finished file into place: {e.strerror}") from e

@@ -26,7 +26,8 @@ from . import strict_json
 from .checksum import ALGORITHMS, ChunkSums, file_digest
 from .chunk_table import ChunkTable
 from .dtypes import torch_dtype
-from .file_index import Resolver, entry_name
+from .file_index import FileSource, entry_name
+from .geometry import check_tiling, flat_segments, row_major_strides
 
 __all__ = [
     "ChecksumConfig",
@@ -39,6 +40,7 @@ __all__ = [
     "TensorStorageMetadata",
     "is_data_file_name",
     "keys_under",
+    "megatron_advice",
 ]
 
 FORMAT_VERSION = 3
@@ -100,9 +102,7 @@ class TensorShardSpec(BaseModel):
 
     def get_flattened_offsets(self, full_shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
         """``[start, stop)`` ranges of the full tensor's row-major flattening this chunk covers."""
-        from ..planning.geometry import flat_segments
-
-        strides = _row_major_strides(full_shape)
+        strides = row_major_strides(full_shape)
         lo, hi = self.flattened_range if self.flattened_range is not None else (0, prod(self.local_shape))
         for rel, lengths, _ in flat_segments(self.local_shape, lo, hi):
             # a segment is a box spanning whole trailing dims after its first non-unit dim
@@ -139,13 +139,6 @@ def _brief(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
 
-
-def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return strides[::-1]
 
 
 def _box_rows(start, lengths, full_shape, strides) -> Iterator[tuple[int, int]]:
@@ -405,7 +398,7 @@ class StorageMetadata(BaseModel):
     pickled_objects: dict[str, str] = {}
     """Non-tensor values that needed pickle (base64), present only if the saver opted in."""
 
-    _resolver: Resolver | None = PrivateAttr(default=None)
+    _resolver: FileSource | None = PrivateAttr(default=None)
     _file_numbers: dict[str, int] | None = PrivateAttr(default=None)
 
     def __eq__(self, other: object) -> bool:  # the fields: not whether, or where, it is bound
@@ -419,26 +412,26 @@ class StorageMetadata(BaseModel):
             t._doc = self
             t._key = key
 
-    def bind(self, storage: Any) -> StorageMetadata:
-        """Format v3: read chunk locations and checksums from the data files of ``storage``
-        (the checkpoint this metadata came from), as they are needed. Returns ``self``.
-        :meth:`shardsafe.Checkpointer.get_metadata` returns bound metadata."""
-        if self.file_table is not None:
-            self._resolver = Resolver(storage, self)
+    def attach_files(self, files: FileSource) -> StorageMetadata:
+        """Format v3: where chunk locations and checksums are read from, as they are needed (the
+        engine attaches its reader of the checkpoint's data files,
+        :func:`shardsafe.engine.file_index.bind_files`; :meth:`shardsafe.Checkpointer.get_metadata`
+        returns metadata bound so). Returns ``self``."""
+        self._resolver = files
         return self
 
     @property
-    def resolver(self) -> Resolver | None:
+    def resolver(self) -> Any:
         """Format v3, once bound: the reader of the data files' headers."""
         return self._resolver
 
-    def _bound(self, key: str) -> Resolver:
+    def _bound(self, key: str) -> FileSource:
         resolver = self.__pydantic_private__["_resolver"]
         if resolver is None:
             raise CorruptCheckpointError(
                 f"tensor {key!r}: format v3 metadata keeps the chunks' byte ranges and checksums in the data files' headers; "
-                "this StorageMetadata is not bound to its checkpoint (call meta.bind(storage), or use "
-                "Checkpointer.get_metadata, which does)"
+                "this StorageMetadata is not bound to its checkpoint (call shardsafe.engine.file_index.bind_files(meta, storage), "
+                "or use Checkpointer.get_metadata, which does)"
             )
         return resolver
 
@@ -465,8 +458,6 @@ class StorageMetadata(BaseModel):
         except ValueError as e:
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
         if isinstance(doc, dict) and "format_version" not in doc and "sharded_backend" in doc:
-            from ..foreign import megatron_advice
-
             src = where[: -len(METADATA_FILENAME) - 1] if where.endswith("/" + METADATA_FILENAME) else where
             raise ForeignCheckpointError(
                 f"{where}: this is Megatron-Core's dist_checkpointing config (sharded_backend "
@@ -563,8 +554,6 @@ class StorageMetadata(BaseModel):
     def _check_v3(self, where: str) -> None:
         """Format v3: ``checksum`` and ``file_table``, no ``files``; each tensor a chunk table
         (decoded here) whose chunks tile it; file names valid and distinct."""
-        from ..planning.geometry import check_tiling
-
         for name in ("checksum", "file_table"):
             if getattr(self, name) is None:
                 raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: format_version 3 metadata lacks the {name!r} field")
@@ -660,8 +649,6 @@ class StorageMetadata(BaseModel):
         """Everything the schema cannot say: keys, sizes bounded by :data:`MAX_SIZE` (so that no
         size overflows or is allocated unchecked), byte ranges that match their chunks and do not
         share bytes within a file, data file names, and chunks that tile each tensor."""
-        from ..planning.geometry import check_tiling
-
         both = sorted((set(self.objects) | set(self.pickled_objects)) & set(self.tensors))
         both += sorted(set(self.objects) & set(self.pickled_objects))
         if both:
@@ -756,3 +743,11 @@ def _check_shape(where: str, key: str, shape: tuple[int, ...], itemsize: int) ->
             raise CorruptCheckpointError(
                 f"{where}: tensor {key!r} of shape {list(shape)} would hold 2**62 bytes or more; refusing it"
             )
+
+
+def megatron_advice(src: str) -> str:
+    """How a Megatron-Core ``torch_dist`` or ``zarr`` checkpoint at ``src`` converts or loads."""
+    return (
+        f"convert it with shardsafe.megatron.convert_megatron({src!r}, dst) or `shardsafe convert {src} DST --from megatron`, "
+        f"or load it as it is with shardsafe.megatron.load(sharded_state_dict, {src!r})"
+    )

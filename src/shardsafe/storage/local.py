@@ -86,6 +86,8 @@ class LocalStorage:
         self._writeback = (knobs or KNOBS).writeback_bytes
         self.root = os.path.abspath(root)
         self.url = self.root
+        self.local_root = self.root
+        self.coalesce_gap_bytes = None
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()  # reader threads share the fd cache
 
@@ -150,23 +152,41 @@ class LocalStorage:
                 os.close(fd)
             if if_match is not None:
                 self._replace_if(name, tmp, if_match)
-            elif overwrite:
-                os.replace(tmp, path)
+                self._fsync_root()
             else:
-                try:
-                    os.link(tmp, path)  # fails if ``path`` exists: a no-clobber atomic create
-                except FileNotFoundError:
-                    if os.path.lexists(path):  # our temporary file was swept by the save that committed
-                        raise FileExistsError(errno.EEXIST, f"{path} already exists") from None
-                    raise
-                os.unlink(tmp)
-            self._fsync_root()
+                self._publish(tmp, path, overwrite=overwrite)
         except FileExistsError:
             _unlink_quietly(tmp)
             raise
         except OSError as e:
             _unlink_quietly(tmp)
             raise StorageError(f"{path}: cannot write: {e.strerror}") from e
+
+    def publish(self, tmp_name: str, name: str, *, overwrite: bool) -> None:
+        """Move the finished file ``tmp_name`` (written with :meth:`write_file`) to ``name``
+        atomically and durably: readers of ``name`` see the old file or the whole new one. With
+        ``overwrite=False`` an existing ``name`` is left alone and ``FileExistsError`` raised
+        (``tmp_name`` is then left for the caller to remove). ``StorageError`` on I/O error."""
+        path = self._path(name)
+        try:
+            self._publish(self._path(tmp_name), path, overwrite=overwrite)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            raise StorageError(f"{path}: cannot move the finished file into place: {e.strerror}") from e
+
+    def _publish(self, tmp: str, path: str, *, overwrite: bool) -> None:
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if ``path`` exists: a no-clobber atomic create
+            except FileNotFoundError:
+                if os.path.lexists(path):  # our temporary file was swept by the save that committed
+                    raise FileExistsError(errno.EEXIST, f"{path} already exists") from None
+                raise
+            os.unlink(tmp)
+        self._fsync_root()
 
     def _replace_if(self, name: str, tmp: str, if_match: str) -> None:
         """Rename ``tmp`` over ``name`` if ``name`` still is version ``if_match``.
@@ -219,6 +239,10 @@ class LocalStorage:
                     raise StorageError(f"{path}: cannot open: {e.strerror}") from e
                 self._fds[name] = fd
             return fd
+
+    def read_spans_into(self, name: str, spans: list[tuple[int, memoryview]]) -> None:
+        for offset, buf in spans:
+            self.read_into(name, offset, [buf])
 
     def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
         fd = self._fd(name)

@@ -115,8 +115,8 @@ class ZarrLoadShardedStrategy(TorchDistLoadShardedStrategy):
 def _root(storage: Storage) -> str:
     """The local directory of ``storage``: Zarr arrays are read from local directories only (a
     ``.zarray`` is not a name shardsafe's storage layer reads)."""
-    root = getattr(storage, "root", None)
-    if not isinstance(root, str) or not os.path.isdir(root):
+    root = storage.local_root
+    if root is None or not os.path.isdir(root):
         raise CheckpointingException(
             f"{storage.url}: a megatron-core zarr checkpoint is read from a local directory only; copy it to one first"
         )

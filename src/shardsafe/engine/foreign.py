@@ -15,27 +15,20 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointError, ForeignCheckpointError, IncompleteCheckpointError
-from .storage.base import DCP_METADATA
+from ..errors import CheckpointError, ForeignCheckpointError, IncompleteCheckpointError
+from ..format.metadata import megatron_advice
+from ..storage.base import DCP_METADATA
 
 if TYPE_CHECKING:
-    from .storage import Storage
+    from ..storage import Storage
 
-__all__ = ["megatron_advice", "missing_metadata_error"]
+__all__ = ["missing_metadata_error"]
 
 LIGHTNING_META = "meta.pt"
 MEGATRON_COMMON = "common.pt"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 _OUR_DATA_FILE = re.compile(r"shard-r\d+-[0-9a-f]+\.safetensors")  # docs/format.md §2, what a save of ours leaves
 _TRACKER_BYTES = 64  # "release" or an iteration number
-
-
-def megatron_advice(src: str) -> str:
-    """How a Megatron-Core ``torch_dist`` or ``zarr`` checkpoint at ``src`` converts or loads."""
-    return (
-        f"convert it with shardsafe.megatron.convert_megatron({src!r}, dst) or `shardsafe convert {src} DST --from megatron`, "
-        f"or load it as it is with shardsafe.megatron.load(sharded_state_dict, {src!r})"
-    )
 
 
 def missing_metadata_error(storage: Storage, metadata_name: str) -> CheckpointError:
