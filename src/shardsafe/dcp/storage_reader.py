@@ -56,6 +56,7 @@ from ..errors import (
     ForeignCheckpointError,
     IncompleteCheckpointError,
     ShapeMismatchError,
+    StorageError,
 )
 from ..format.dtypes import dtype_name
 from ..format.metadata import METADATA_FILENAME, StorageMetadata
@@ -80,7 +81,7 @@ class StorageReader(Located, _DcpStorageReader):
     ``storage_options`` go to :func:`shardsafe.storage.open_storage`), whatever layout it was
     saved in. Every byte read from a shardsafe checkpoint is checked against its checksum.
     ``allow_pickle``: load values stored with pickle (a shardsafe checkpoint saved with
-    ``allow_pickle=True``; a DCP checkpoint's values that torch's safe loader refuses); they are
+    ``allow_pickle=True``; a DCP checkpoint's values that shardsafe's restricted unpickler refuses); they are
     refused with ``PickleNotAllowedError`` otherwise.
     """
 
@@ -116,8 +117,10 @@ class StorageReader(Located, _DcpStorageReader):
             self._ours = _OurCheckpoint(meta)
             return self._ours.dcp_metadata(storage.url, self.load_id)
         try:
-            raw = storage.read(DCP_METADATA)
-        except FileNotFoundError:
+            listed = storage.list()
+        except StorageError:  # the location is a file (a model.safetensors named as a checkpoint)
+            listed = []
+        if DCP_METADATA not in listed:
             foreign = missing_metadata_error(storage, METADATA_FILENAME)  # a Hugging Face model, a Megatron run's root
             if isinstance(foreign, ForeignCheckpointError):
                 raise foreign from None
@@ -126,8 +129,8 @@ class StorageReader(Located, _DcpStorageReader):
             raise IncompleteCheckpointError(
                 f"{storage.url}: not a committed checkpoint: {state} has neither {METADATA_FILENAME} (shardsafe) nor "
                 f"{DCP_METADATA} (torch.distributed.checkpoint)"
-            ) from None
-        self._dcp = dcp_format.read_dcp_checkpoint(storage, raw)
+            )
+        self._dcp = dcp_format.read_dcp_checkpoint(storage)  # .metadata streamed to the unpickler
         meta = self._dcp.metadata
         meta.storage_meta = StorageMeta(checkpoint_id=storage.url, load_id=self.load_id)
         return meta

@@ -27,7 +27,7 @@ from ..format.values import decode_objects
 from ..knobs import Knobs
 from ..storage import Storage
 from .background import wait_for_location
-from .bounds import check_files_hold
+from .bounds import check_files_hold, read_limited
 from .file_index import bind_files
 from .foreign import missing_metadata_error
 from .reader import Reader
@@ -48,9 +48,9 @@ def read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
 
     def read() -> bytes:
         try:
-            return storage.read(METADATA_FILENAME)
-        except FileNotFoundError:
-            raise missing_metadata_error(storage, METADATA_FILENAME) from None  # another library's checkpoint, or uncommitted
+            return read_limited(storage, METADATA_FILENAME)  # a file grown sparse is refused, not read whole
+        except FileNotFoundError as e:  # another library's checkpoint, uncommitted, or nothing there
+            raise missing_metadata_error(storage, METADATA_FILENAME, e) from None
 
     raw = comm.broadcast(read)
     with paused_gc():

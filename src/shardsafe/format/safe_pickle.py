@@ -35,7 +35,7 @@ import pickle
 import pickletools
 import zipfile
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -52,8 +52,12 @@ __all__ = [
     "load_archive",
     "load_pickle",
     "load_value_file",
+    "Source",
     "megatron_enum",
 ]
+
+Source = bytes | bytearray | memoryview | BinaryIO
+"""A pickle's bytes, or a seekable binary file of them (read from its start; only what is needed)."""
 
 Allowlist = Mapping[str, Callable[[], Any]]
 """``module.name`` as a pickle carries it -> a function giving the object to use for it."""
@@ -261,24 +265,37 @@ def _refused(where: str, full: str, what: str) -> UnsafePickleError:
     )
 
 
-def load_pickle(raw: bytes | bytearray | memoryview, *, where: str, allowed: Allowlist, what: str) -> Any:
+def _file(raw: Source) -> BinaryIO:
+    """``raw`` as a binary file at its start."""
+    if isinstance(raw, bytes | bytearray | memoryview):
+        return io.BytesIO(raw)
+    raw.seek(0)
+    return raw
+
+
+_SCAN_BYTES = 1 << 20  # of a refused non-archive, how much is read to name its globals
+
+
+def load_pickle(raw: Source, *, where: str, allowed: Allowlist, what: str) -> Any:
     """The object a bare pickle holds, reaching only the globals in ``allowed``. ``where`` names the
     file and ``what`` the kind of file in errors (``UnsafePickleError`` for a global outside
     ``allowed``, ``CorruptCheckpointError`` for a damaged pickle)."""
-    return _load(_Unpickler(io.BytesIO(raw), where=where, allowed=allowed, what=what, storage=None), where)
+    return _load(_Unpickler(_file(raw), where=where, allowed=allowed, what=what, storage=None), where)
 
 
-def is_archive(raw: bytes | bytearray | memoryview) -> bool:
+def is_archive(raw: Source) -> bool:
     """True if ``raw`` starts as a zip archive (``torch.save``'s format since torch 1.6)."""
-    return bytes(raw[:4]) == ZIP_MAGIC
+    if isinstance(raw, bytes | bytearray | memoryview):
+        return bytes(raw[:4]) == ZIP_MAGIC
+    return _file(raw).read(4) == ZIP_MAGIC
 
 
-def load_archive(raw: bytes | bytearray | memoryview, *, where: str, allowed: Allowlist = VALUES, what: str = "a torch.save file of checkpoint values") -> Any:
+def load_archive(raw: Source, *, where: str, allowed: Allowlist = VALUES, what: str = "a torch.save file of checkpoint values") -> Any:
     """The object a ``torch.save`` archive holds, its tensors on the CPU, reaching only the
     globals in ``allowed``. A legacy (non-zip) ``torch.save`` file or a bare pickle raises
     ``UnsafePickleError`` naming the globals it holds; a damaged archive ``CorruptCheckpointError``."""
     if not is_archive(raw):
-        found = globals_in(raw)
+        found = globals_in(raw if isinstance(raw, bytes | bytearray | memoryview) else _file(raw).read(_SCAN_BYTES))
         named = f"; it names {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}" if found else ""
         raise UnsafePickleError(
             f"{where}: not a torch.save zip archive but a legacy torch.save file or a bare pickle{named}; shardsafe "
@@ -286,7 +303,7 @@ def load_archive(raw: bytes | bytearray | memoryview, *, where: str, allowed: Al
             "Load it with torch.load only if you trust it, and save it again"
         )
     try:
-        archive = zipfile.ZipFile(io.BytesIO(raw))
+        archive = zipfile.ZipFile(_file(raw))
         names = archive.namelist()
     except (zipfile.BadZipFile, ValueError, EOFError) as e:
         raise CorruptCheckpointError(f"{where}: not a readable torch.save archive: {e}") from None
@@ -323,7 +340,7 @@ def load_archive(raw: bytes | bytearray | memoryview, *, where: str, allowed: Al
     return _load(_Unpickler(io.BytesIO(archive.read(data_pkl[0])), where=where, allowed=allowed, what=what, storage=storage), where)
 
 
-def load_value_file(raw: bytes | bytearray | memoryview, *, where: str, allow_pickle: bool, opt_in: str) -> Any:
+def load_value_file(raw: Source, *, where: str, allow_pickle: bool, opt_in: str) -> Any:
     """What ``torch.save`` wrote in ``raw`` (a checkpoint's values): read by :func:`load_archive`
     with :data:`VALUES`; what that refuses raises ``PickleNotAllowedError`` (naming the refused
     global, its message ending with ``opt_in``: how the caller opts in), or, only with
@@ -334,7 +351,7 @@ def load_value_file(raw: bytes | bytearray | memoryview, *, where: str, allow_pi
         if not allow_pickle:
             raise PickleNotAllowedError(f"{e}. {opt_in}") from None
     try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        return torch.load(_file(raw), map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a damaged file
         raise CorruptCheckpointError(f"{where}: cannot be read: {type(e).__name__}: {str(e)[:300]}") from None
 

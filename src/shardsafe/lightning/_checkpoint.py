@@ -305,14 +305,18 @@ def _materialized(value: Any, fill: Callable[[LazyTensor, torch.Tensor], None]) 
 def _consolidate_lightning_dcp_folder(path: str, allow_pickle: bool) -> dict[str, Any]:
     import re
 
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from ..dcp import StorageReader
-    from ..dcp.dcp_format import read_lightning_meta
+    from ..dcp.dcp_format import checkpoint_error_of, read_lightning_meta
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=StorageReader(path, allow_pickle=allow_pickle), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    try:
+        _load_state_dict(state, storage_reader=StorageReader(path, allow_pickle=allow_pickle), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except CheckpointException as e:  # a BaseException: torch's wrapping of what a rank raised
+        raise checkpoint_error_of(e, path) from None
     opt_in = "pass allow_pickle=True to shardsafe.lightning.consolidate only if you trust this checkpoint"
     state.update(read_lightning_meta(open_storage(path), allow_pickle=allow_pickle, opt_in=opt_in) or {})
     if "state_dict" not in state and "model" in state:  # FSDPStrategy's and Fabric's name for the model
