@@ -154,3 +154,28 @@ def shard_module_(module: nn.Module, process_group=None) -> None:
             if p is not None:
                 sharded = ShardedFlatTensor.shard(p.detach(), process_group=process_group)
                 sub._parameters[name] = ShardedFlatParameter(sharded, requires_grad=p.requires_grad)
+
+
+class FSDP(nn.Module):
+    """OLMo-core's FSDP wrapper (``olmo_core.distributed.fsdp.FSDP`` of v0.1.0) as a checkpointer
+    sees it: the wrapped module is the child ``_fsdp_wrapped_module`` (its ``WRAPPED_MODULE_PREFIX``),
+    every parameter becomes this rank's ``ShardedFlatParameter``, and ``named_parameters()`` /
+    ``state_dict()`` keys leave the wrapper's part out, as OLMo-core's overrides do."""
+
+    WRAPPED_MODULE_PREFIX = "_fsdp_wrapped_module"
+
+    def __init__(self, module: nn.Module, process_group=None) -> None:
+        super().__init__()
+        setattr(self, self.WRAPPED_MODULE_PREFIX, module)
+        shard_module_(module, process_group)
+
+    @property
+    def module(self) -> nn.Module:
+        return getattr(self, self.WRAPPED_MODULE_PREFIX)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs):
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield name.replace(f"{self.WRAPPED_MODULE_PREFIX}.", ""), p

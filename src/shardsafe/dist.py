@@ -442,6 +442,8 @@ class Comm:
                     store.compare_set(f"{base}/done", "", "ok")
                 _wait_for_key(store, blocking, f"{base}/done", timeout_s)
                 verdict = store.compare_set(f"{base}/done", "", "timeout")  # timed out: tell later ranks
+                if verdict.startswith(_GAVE_UP):
+                    raise CollectiveError(f"{self.call}: {verdict[len(_GAVE_UP) :].decode(errors='replace')}")
                 if verdict == b"ok":
                     if self.is_coordinator and seq > 0:  # every rank is past the previous check
                         for key in ("who", "count", "done"):
@@ -454,6 +456,24 @@ class Comm:
                 f"process group's store: {_first_line(e)}"
             ) from e
         raise self._missing(who, timeout_s, asked)
+
+    def abandon(self, reason: str) -> None:
+        """Take this rank's next check-in (:meth:`arrive`) without waiting, for a call it gave up
+        before checking in: the ranks that wait there, or come later, raise ``CollectiveError``
+        with ``reason`` at once instead of waiting out the timeout."""
+        if not self.distributed:
+            return
+        group_name = self.group.group_name  # type: ignore[union-attr]
+        seq = _ARRIVALS.get(group_name, 0)
+        _ARRIVALS[group_name] = seq + 1
+        base = f"shardsafe/arrive/{group_name}/{seq}"
+        message = f"rank {self.global_rank} gave up this call before checking in, so it cannot complete: {reason}"
+        try:
+            with _store_client() as (store, _):
+                store.append(f"{base}/who", f"{self.rank}=<gave up>;")
+                store.compare_set(f"{base}/done", "", _GAVE_UP.decode() + message)
+        except RuntimeError as e:
+            log.warning("%s: rank %d could not tell the other ranks it gave up: %s", self.call, self.global_rank, _first_line(e))
 
     def _missing(self, who: str, timeout_s: float, asked: float) -> MissingRanksError:
         calls = dict(entry.split("=", 1) for entry in who.split(";") if entry)
@@ -530,6 +550,7 @@ def _wait_for_key(store: Any, blocking: bool, key: str, timeout_s: float) -> Non
         pause = min(pause * 2, 0.02)
 
 
+_GAVE_UP = b"gave up:"  # an arrival's verdict is "ok", "timeout", or this and why (Comm.abandon)
 _ARRIVALS: dict[str, int] = {}  # process group name -> arrival checks so far (the same on every rank)
 _SIDE_GROUPS: dict[Any, dist.ProcessGroup] = {}  # process group -> its gloo group, for groups without CPU support
 
@@ -567,12 +588,41 @@ def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     side = _SIDE_GROUPS.get(group)
     if side is None:  # every rank of ``group`` is here: it has just passed the arrival check
         own = group_timeout_s(group)
-        side = dist.new_group(
-            dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True,
-            timeout=timedelta(seconds=own) if own is not None else None,
-        )
+        side = _gloo_group(group, "cpu", timeout=timedelta(seconds=own) if own is not None else None)
         _SIDE_GROUPS[group] = side
     return side
+
+
+def _gloo_group(group: dist.ProcessGroup, purpose: str, *, timeout: timedelta | None) -> dist.ProcessGroup:
+    """A new gloo group of ``group``'s ranks, named the same on every rank; every rank of
+    ``group`` calls this, at the same point of its sequence of shardsafe calls.
+
+    ``new_group(..., use_local_synchronization=True)`` names a group from the number of groups
+    the calling rank belongs to, so in a job whose ranks belong to different numbers of groups
+    (pipeline-parallel embedding groups, [0, 3] among 4 ranks) the ranks disagree on the name and
+    wait on different store keys until the timeout. So: a group of every rank is created without
+    local synchronization (every rank of the job is here, and torch names it from the count of
+    such groups, the same on every rank); a group of some ranks is named from ``group``'s own
+    name (the same on its ranks: they rendezvoused under it) and ``purpose``.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    desc = f"shardsafe {purpose} group of {getattr(group, 'group_desc', None) or group.group_name}"
+    if len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks, backend="gloo", timeout=timeout, group_desc=desc)
+    name = f"shardsafe-{purpose}-{group.group_name}"
+    c10d = dist.distributed_c10d
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    if helper is None:
+        raise CollectiveError(
+            f"shardsafe needs a gloo group of ranks {ranks} (a subgroup of the job) named the same on every rank, and "
+            f"torch {torch.__version__} has no way to name one; pass the whole job's process group"
+        )
+    pg, _ = helper(
+        len(ranks), ranks.index(dist.get_rank()), ranks, "gloo", c10d._get_default_store(), name,
+        timeout=timeout or c10d.default_pg_timeout, group_desc=desc,
+    )
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
 
 
 _BACKGROUND_GROUPS: dict[Any, dist.ProcessGroup] = {}  # process group -> its gloo group for background commits
@@ -591,10 +641,7 @@ def background_comm(comm: Comm, *, timeout_s: float) -> Comm:
         return Comm(None, call=comm.call)  # one rank: its own error is the error
     side = _BACKGROUND_GROUPS.get(comm.group)
     if side is None:
-        side = dist.new_group(
-            comm.global_ranks, backend="gloo", timeout=timedelta(seconds=wait_limit(comm.group, timeout_s)),
-            use_local_synchronization=True,
-        )
+        side = _gloo_group(comm.group, "background", timeout=timedelta(seconds=wait_limit(comm.group, timeout_s)))  # type: ignore[arg-type]
         _BACKGROUND_GROUPS[comm.group] = side
     out = Comm(side, call=comm.call, own_as_is=False)  # one error, worded the same on every rank
     if out.global_ranks != comm.global_ranks:  # new_group orders ranks by number; a group given in another order

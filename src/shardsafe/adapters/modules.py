@@ -1,8 +1,9 @@
 """Models -> flat state of this rank's pieces, keyed by the parameter's name without wrapper parts.
 
-The same parameter is named the same in a plain module, under DDP (``module.``), FSDP1
-(``_fsdp_wrapped_module.``), activation checkpointing (``_checkpoint_wrapped_module.``) and
-``torch.compile`` (``_orig_mod.``) and Lightning Fabric (``_forward_module.``), so one checkpoint
+The same parameter is named the same in a plain module, under DDP (``module.``), FSDP1 and
+OLMo-core's FSDP (``_fsdp_wrapped_module.``), activation checkpointing
+(``_checkpoint_wrapped_module.``) and ``torch.compile`` (``_orig_mod.``) and Lightning Fabric
+(``_forward_module.``), so one checkpoint
 loads into all of them. Values are views on
 the model's own memory, so filling them loads the model in place:
 
@@ -191,6 +192,8 @@ def _is_wrapper(module: nn.Module) -> bool:
     if isinstance(module, DistributedDataParallel | DataParallel):
         return True
     name = type(module).__name__
+    if name == "FSDP" and getattr(type(module), "WRAPPED_MODULE_PREFIX", None) == "_fsdp_wrapped_module":
+        return True  # OLMo-core's own FSDP (olmo_core.distributed.fsdp.FSDP)
     return name in ("FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper", "OptimizedModule")
 
 

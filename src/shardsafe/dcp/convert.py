@@ -1,8 +1,8 @@
 """``shardsafe.dcp.convert``: a torch.distributed.checkpoint checkpoint into a shardsafe one, streamed.
 
 Each DCP data file (``__<rank>_<n>.distcp``) becomes one safetensors data file holding the same
-chunks, in the same order; each chunk is read once (exactly its byte range), loaded with
-``torch.load(weights_only=True)``, checked against the metadata, digested block by block and
+chunks, in the same order; each chunk is read once (exactly its byte range), loaded by
+shardsafe's restricted unpickler, checked against the metadata, digested block by block and
 written while the next one is read. Memory is bounded by the largest stored chunk (a small
 multiple of it: the chunk being written, one queued, and the archive and tensor being loaded). ``metadata.json`` is committed last, by the same compare-and-swap as a save, so an
 interrupted conversion leaves no checkpoint at ``dst`` (and a committed one there untouched).
@@ -51,9 +51,9 @@ def convert(
     Tensors keep DCP's chunks (any layout loads them back). Non-tensor values are stored as JSON,
     tuples and the like as tagged JSON (``docs/format.md`` §13); other objects need
     ``allow_pickle=True``, and values that
-    torch's safe loader refuses are read at all only then. A Lightning sharded folder's ``meta.pt``
+    shardsafe's restricted unpickler refuses are read at all only then. A Lightning sharded folder's ``meta.pt``
     (the rest of its checkpoint dict: epoch, loop, callback and scheduler state) is read with
-    ``torch.load(weights_only=True)`` (the full unpickler only with ``allow_pickle``) and stored as
+    shardsafe's restricted unpickler (the full one only with ``allow_pickle``) and stored as
     one JSON value under ``"lightning.meta"``, where :func:`shardsafe.lightning.read_meta` finds it.
     ``overwrite`` replaces a checkpoint
     committed at ``dst``; otherwise one there raises ``CheckpointExistsError`` before anything is

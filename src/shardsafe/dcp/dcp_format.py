@@ -2,25 +2,24 @@
 fsspec writer: a ``.metadata`` file beside ``__<rank>_<n>.distcp`` data files), without running
 foreign code.
 
-``.metadata`` is a pickle of DCP's ``Metadata``. It is read with :class:`SafeUnpickler`, which
-admits only DCP's own metadata classes, the torch types they hold (``torch.Size``, dtypes,
-layouts) and ``pathlib`` paths; any other class or function is refused with
+``.metadata`` is a pickle of DCP's ``Metadata``. It is read by shardsafe's one restricted
+unpickler (:mod:`shardsafe.format.safe_pickle`) with :data:`METADATA_GLOBALS`, which admits only
+DCP's own metadata classes, the torch types they hold (``torch.Size``, dtypes, layouts) and
+``pathlib`` paths; any other class or function is refused with
 :class:`~shardsafe.errors.UnsafePickleError` naming it, before anything of it runs. The result
 is then checked field by field (types, sizes, plain file names), so the rest of the code can
 trust it.
 
 Each stored item is a byte range of a data file: a tensor chunk as a ``torch.save`` archive, read
-with ``torch.load(weights_only=True)``; a non-tensor value as ``torch.save`` of the object, read
-the same way (torch's allowlist of plain containers and scalars), and with the full unpickler
-only when the caller opted in. DCP stores no checksums: what these files hold is checked for
+by the same unpickler with :data:`~shardsafe.format.safe_pickle.TENSORS`; a non-tensor value as
+``torch.save`` of the object, read with :data:`~shardsafe.format.safe_pickle.VALUES` (plain
+containers, scalars, numpy arrays, ``argparse.Namespace``...), and with the full unpickler only
+when the caller opted in. DCP stores no checksums: what these files hold is checked for
 form (an archive, the dtype and shape the metadata names), not for damage.
 """
 
 from __future__ import annotations
 
-import importlib
-import io
-import pickle
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -28,13 +27,8 @@ from typing import Any
 import torch
 
 from ..engine.bounds import StoredFile, read_range
-from ..errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    PickleNotAllowedError,
-    UnsafePickleError,
-)
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..format import safe_pickle
 from ..storage import Storage
 from ..storage.base import DCP_METADATA, check_name
 
@@ -42,7 +36,7 @@ __all__ = [
     "DCP_METADATA",
     "DcpCheckpoint",
     "DcpItem",
-    "SafeUnpickler",
+    "METADATA_GLOBALS",
     "check_dcp_metadata",
     "check_files_hold",
     "checkpoint_error_of",
@@ -54,32 +48,28 @@ __all__ = [
 ]
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
-_ALLOWED: dict[str, frozenset[str]] = {
-    _DCP_META: frozenset(
-        {
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        }
+_ALLOWED: dict[str, tuple[str, ...]] = {
+    _DCP_META: (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
     # the save plans megatron-core's torch_dist backend keeps in .metadata (MCoreMetadata.all_local_plans)
-    "torch.distributed.checkpoint.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}),
+    "torch.distributed.checkpoint.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
     # DCP of torch < 2.2 kept TensorProperties here
-    "torch.distributed._shard.sharded_tensor.metadata": frozenset({"TensorProperties", "MEM_FORMAT_ENCODING"}),
-    "torch.serialization": frozenset({"_get_layout"}),  # a layout by name: torch.strided
-    "torch": frozenset({"Size"}),  # and dtypes, below
-    "pathlib": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),  # StorageMeta.checkpoint_id
-    "pathlib._local": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),  # Python >= 3.13
-    "collections": frozenset({"OrderedDict"}),
+    "torch.distributed._shard.sharded_tensor.metadata": ("TensorProperties", "MEM_FORMAT_ENCODING"),
+    "torch.serialization": ("_get_layout",),  # a layout by name: torch.strided
+    "pathlib": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),  # StorageMeta.checkpoint_id
+    "pathlib._local": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),  # Python >= 3.13
+    "collections": ("OrderedDict",),
 }
-_DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
-_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive format
+_ZIP_MAGIC = safe_pickle.ZIP_MAGIC  # torch.save's archive format
 
 
 _MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
@@ -110,50 +100,25 @@ def _mcore_class(name: str) -> type:
     return _MCORE_CLASSES[name]
 
 
-class SafeUnpickler(pickle.Unpickler):
-    """An unpickler for DCP's ``.metadata``: classes outside an allowlist are refused by name.
+def _metadata_globals() -> dict[str, Any]:
+    out: dict[str, Any] = {f"{module}.{name}": safe_pickle.global_named(module, name) for module, names in _ALLOWED.items() for name in names}
+    out.update(safe_pickle.DTYPES, **{"torch.Size": safe_pickle.TENSORS["torch.Size"]})
+    for name in ("MCoreMetadata", "MCoreSavePlan"):
+        out[f"{_MCORE_TORCH}.{name}"] = (lambda n: lambda: _mcore_class(n))(name)
+    return out
 
-    ``where`` names the file in errors.
-    """
 
-    def __init__(self, file: io.BytesIO, *, where: str) -> None:
-        super().__init__(file)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == _MCORE_TORCH and name in ("MCoreMetadata", "MCoreSavePlan"):
-            return _mcore_class(name)
-        allowed = _ALLOWED.get(module, frozenset())
-        if name in allowed or (module == "torch" and name in _DTYPES):
-            try:
-                return getattr(importlib.import_module(module), name)
-            except (ImportError, AttributeError):
-                raise CorruptCheckpointError(
-                    f"{self.where}: names {module}.{name}, which this torch does not have (written by another torch version?)"
-                ) from None
-        raise UnsafePickleError(
-            f"{self.where}: the pickle names {module}.{name}, which is not one of the classes a torch.distributed.checkpoint "
-            "metadata file holds; refusing to load it (nothing of it was run). The file was not written by DCP, or was "
-            "tampered with"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"{self.where}: the pickle uses persistent ids, which DCP metadata never does; refusing it")
+METADATA_GLOBALS: safe_pickle.Allowlist = _metadata_globals()
+"""The globals a DCP ``.metadata`` pickle may name: DCP's metadata classes, the torch types they
+hold (``torch.Size``, dtypes, layouts), paths, and megatron-core's metadata (as stand-ins)."""
 
 
 def load_dcp_metadata(raw: bytes | StoredFile, *, where: str) -> Any:
     """DCP's ``Metadata`` from ``.metadata`` (its bytes, or a stream of them), unpickled with
-    :class:`SafeUnpickler` and checked (raises ``UnsafePickleError`` or ``CorruptCheckpointError``)."""
+    :data:`METADATA_GLOBALS` and checked (raises ``UnsafePickleError`` or ``CorruptCheckpointError``)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    try:
-        meta = SafeUnpickler(io.BytesIO(raw) if isinstance(raw, bytes | bytearray) else raw, where=where).load()  # type: ignore[arg-type]
-    except UnsafePickleError:
-        raise
-    except CorruptCheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - anything a damaged pickle makes the unpickler raise
-        raise CorruptCheckpointError(f"{where}: not a readable torch.distributed.checkpoint metadata file: {type(e).__name__}: {e}") from None
+    meta = safe_pickle.load_pickle(raw, where=where, allowed=METADATA_GLOBALS, what="a torch.distributed.checkpoint metadata file")
     if not isinstance(meta, Metadata):
         raise CorruptCheckpointError(f"{where}: holds a {type(meta).__name__}, not a torch.distributed.checkpoint Metadata")
     return meta
@@ -330,10 +295,7 @@ def load_tensor(buf: bytearray, item: DcpItem, dtype: torch.dtype, sizes: tuple[
             f"{name}: not a torch.save archive (DCP checkpoints written with serialization_format=SAFETENSORS or by "
             "other storage plugins are not read); the file may be damaged"
         )
-    try:
-        t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a damaged archive or a pickle torch's safe loader refuses
-        raise CorruptCheckpointError(f"{name}: cannot read the stored tensor: {type(e).__name__}: {str(e)[:300]}") from None
+    t = safe_pickle.load_archive(buf, where=name, allowed=safe_pickle.TENSORS, what="a torch.distributed.checkpoint tensor chunk")
     if type(t) is not torch.Tensor:
         raise CorruptCheckpointError(f"{name}: holds a {type(t).__name__}, not a tensor")
     if t.dtype != dtype or tuple(t.shape) != sizes:
@@ -344,23 +306,10 @@ def load_tensor(buf: bytearray, item: DcpItem, dtype: torch.dtype, sizes: tuple[
 
 
 def load_value(buf: bytearray, item: DcpItem, where: str, *, allow_pickle: bool) -> Any:
-    """The non-tensor value of one item: read by torch's allowlisted unpickler, or (only with
-    ``allow_pickle``) by the full one; ``PickleNotAllowedError`` otherwise."""
+    """The non-tensor value of one item, read by :func:`shardsafe.format.safe_pickle.load_value_file`
+    (the full unpickler only with ``allow_pickle``; ``PickleNotAllowedError`` otherwise)."""
     name = f"{where}: value {item.key!r} ({item.file} bytes [{item.offset}, {item.offset + item.length}))"
-    try:
-        return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if not allow_pickle:
-            raise PickleNotAllowedError(
-                f"{name} is a pickle that torch's safe loader refuses ({str(e).splitlines()[0][:200]}); loading it can run "
-                "arbitrary code. Pass allow_pickle=True only if you trust this checkpoint"
-            ) from None
-    except Exception as e:  # noqa: BLE001
-        raise CorruptCheckpointError(f"{name}: cannot read the stored value: {type(e).__name__}: {str(e)[:300]}") from None
-    try:
-        return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001
-        raise CorruptCheckpointError(f"{name}: cannot read the stored value: {type(e).__name__}: {str(e)[:300]}") from None
+    return safe_pickle.load_value_file(buf, where=name, allow_pickle=allow_pickle, opt_in="Pass allow_pickle=True only if you trust this checkpoint")
 
 
 def checkpoint_error_of(e: BaseException, where: str) -> CheckpointError:
@@ -383,21 +332,15 @@ LIGHTNING_META_FILE = "meta.pt"  # Lightning's sharded save: the rest of the che
 
 def read_lightning_meta(storage: Storage, *, allow_pickle: bool, opt_in: str) -> dict[str, Any] | None:
     """The dict in Lightning's ``meta.pt`` beside a DCP checkpoint (loop, callback and scheduler
-    state; ``None`` when there is no such file), read with ``torch.load(weights_only=True)``, or
-    with the full unpickler only with ``allow_pickle``. ``PickleNotAllowedError`` (its message
-    ending with ``opt_in``: how the caller opts in) for objects the safe loader refuses;
+    state; ``None`` when there is no such file), read by
+    :func:`shardsafe.format.safe_pickle.load_value_file` (the full unpickler only with
+    ``allow_pickle``): ``PickleNotAllowedError`` (its message
+    ending with ``opt_in``: how the caller opts in) for globals the restricted unpickler refuses;
     ``CorruptCheckpointError`` for a file that cannot be read or holds no dict."""
     where = f"{storage.url.rstrip('/')}/{LIGHTNING_META_FILE}"
     if LIGHTNING_META_FILE not in storage.list():
         return None
-    try:
-        value = torch.load(StoredFile(storage, LIGHTNING_META_FILE), map_location="cpu", weights_only=not allow_pickle)  # streamed
-    except Exception as e:  # noqa: BLE001 - torch's safe unpickler raises UnpicklingError, or others for a damaged file
-        if allow_pickle or "weights_only" not in str(e):
-            raise CorruptCheckpointError(f"{where}: cannot be read: {type(e).__name__}: {str(e)[:300]}") from None
-        raise PickleNotAllowedError(
-            f"{where}: holds objects torch's safe loader refuses ({str(e).splitlines()[0][:200]}); {opt_in}"
-        ) from None
+    value = safe_pickle.load_value_file(StoredFile(storage, LIGHTNING_META_FILE), where=where, allow_pickle=allow_pickle, opt_in=opt_in)  # streamed
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{where}: Lightning's checkpoint dict expected, found a {type(value).__name__}")
     return value

@@ -16,7 +16,7 @@ Non-tensor values are shown under their own keys and, for containers stored whol
 (``optim.param_groups.0.lr``), so a DCP state dict finds them.
 
 DCP checkpoints: ``.metadata`` is unpickled through an allowlist (:mod:`.dcp_format`); each stored
-chunk is read once (exactly its byte range), loaded with ``torch.load(weights_only=True)`` and
+chunk is read once (exactly its byte range), loaded by shardsafe's restricted unpickler and
 copied into every target box that needs it. DCP stores no checksums.
 
 Call order (DCP's): ``reset`` -> ``read_metadata`` (all ranks) -> ``set_up_storage_reader`` ->
@@ -81,7 +81,7 @@ class StorageReader(Located, _DcpStorageReader):
     ``storage_options`` go to :func:`shardsafe.storage.open_storage`), whatever layout it was
     saved in. Every byte read from a shardsafe checkpoint is checked against its checksum.
     ``allow_pickle``: load values stored with pickle (a shardsafe checkpoint saved with
-    ``allow_pickle=True``; a DCP checkpoint's values that torch's safe loader refuses); they are
+    ``allow_pickle=True``; a DCP checkpoint's values that shardsafe's restricted unpickler refuses); they are
     refused with ``PickleNotAllowedError`` otherwise.
     """
 

@@ -15,13 +15,13 @@ Loading, DCP asks for the leaves of its *target* state dict by dotted key
 from __future__ import annotations
 
 import io
-import pickle
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, PickleNotAllowedError
+from ..errors import CorruptCheckpointError
+from ..format import safe_pickle
 from ..format.values import TAG
 
 __all__ = ["dcp_leaves", "get_path", "torch_saved", "value_of"]
@@ -69,18 +69,12 @@ def torch_saved(value: Any) -> io.BytesIO:
 
 
 def value_of(data: Any, key: str, *, allow_pickle: bool) -> Any:
-    """The value behind the bytes a DCP save planner resolved for ``key`` (``torch.save`` of it):
-    read with torch's allowlisted unpickler, or with the full one only if ``allow_pickle``."""
+    """The value behind the bytes a DCP save planner resolved for ``key`` (``torch.save`` of it),
+    read by :func:`shardsafe.format.safe_pickle.load_value_file` (the full unpickler only if ``allow_pickle``)."""
     raw = data.getvalue() if isinstance(data, io.BytesIO) else data
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise CorruptCheckpointError(f"key {key!r}: the save planner resolved a {type(data).__name__}, not a BytesIO")
-    try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if not allow_pickle:
-            raise PickleNotAllowedError(
-                f"key {key!r}: the value pickles classes torch's safe loader refuses ({str(e).splitlines()[0][:200]}), so "
-                "it cannot be stored as JSON. Convert it, or pass allow_pickle=True to shardsafe.dcp.StorageWriter to "
-                "store it with pickle"
-            ) from None
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+    return safe_pickle.load_value_file(
+        raw, where=f"key {key!r}", allow_pickle=allow_pickle,
+        opt_in="It cannot be stored as JSON: convert it, or pass allow_pickle=True to shardsafe.dcp.StorageWriter to store it with pickle",
+    )

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import CheckpointError
 
-__all__ = ["AsyncSave", "before_save", "run_in_background", "wait_for_location"]
+__all__ = ["AsyncSave", "after_in_flight", "before_save", "run_in_background", "wait_for_location"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -168,6 +168,24 @@ def run_in_background(location: str, produce: Callable[[], None], consume: Calla
         raise
     staged.set_result(None)
     return handle
+
+
+def after_in_flight(fn: Callable[[], None], *, name: str) -> None:
+    """Run ``fn`` in a thread of its own once the background saves started before have finished,
+    in order with them (the next save's thread waits for it too); for a save abandoned before it
+    reached the background, whose other ranks wait for its check-in."""
+    global _last_thread
+    with _lock:
+        previous = _last_thread
+
+        def body() -> None:
+            if previous is not None:
+                previous.join()
+            fn()
+
+        thread = threading.Thread(target=body, name=name, daemon=False)
+        _last_thread = thread
+        thread.start()
 
 
 def _announce_exit_wait() -> None:

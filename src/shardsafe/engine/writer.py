@@ -52,7 +52,7 @@ from ..planning.save_plan import (
 )
 from ..storage import Storage
 from . import plan_cache
-from .background import AsyncSave, before_save, run_in_background
+from .background import AsyncSave, after_in_flight, before_save, run_in_background
 from .buffers import WriteBehind
 from .commit import CommitUnknownError, committed_version, put_metadata, sweep
 from .file_index import bind_files
@@ -72,8 +72,10 @@ def save_state(
     the caller's tensors while it waits) and the last phase in the caller's thread. Device
     tensors go to the host through a bounded pinned ring instead (:func:`_finish_from_device`).
     ``progress``: see :func:`_write_file`."""
-    before_save(storage.url, max_in_flight=None)
-    p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
+    p = _prepare(
+        storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs,
+        first=lambda: before_save(storage.url, max_in_flight=None),  # its error reaches every rank in the first gather
+    )
     devices = {d for it in p.mine.items if (d := p.local[it.key].views[it.piece_index].device).type == "cuda"}
     if devices:
         return _finish_from_device(p, comm, devices, want_meta=want_meta, progress=progress)
@@ -130,20 +132,29 @@ def async_save_state(
     of their own. Otherwise the plan is made first, in the caller's thread, and only this rank's
     share is staged, in parts.
     """
-    before_save(storage.url, max_in_flight=knobs.async_max_in_flight)
     side = background_comm(comm, timeout_s=knobs.collective_timeout_s)
-    state_dict = flatten_state(state_dict)  # Stateful objects' state_dict() called here, once, in the caller's thread
-    with paused_gc():
-        tensors, objects = describe_state(state_dict, cache=_DESCRIBED)
-    total, pinned = 0, False
-    for t in tensors:
-        for v in t.views:
-            total += aligned(v.numel() * v.element_size())
-            pinned = pinned or v.device.type == "cuda"
+    try:
+        before_save(storage.url, max_in_flight=knobs.async_max_in_flight)
+        state_dict = flatten_state(state_dict)  # Stateful objects' state_dict() called here, once, in the caller's thread
+        with paused_gc():
+            tensors, objects = describe_state(state_dict, cache=_DESCRIBED)
+        total, pinned = 0, False
+        for t in tensors:
+            for v in t.views:
+                total += aligned(v.numel() * v.element_size())
+                pinned = pinned or v.device.type == "cuda"
+        if total <= knobs.async_staging_bytes:
+            encoded = encode_objects(objects, allow_pickle=allow_pickle)  # a snapshot of the values, too
+    except Exception as e:
+        # the other ranks check in on the background group: tell them this rank will not, so
+        # that they fail now rather than after the timeout (after this rank's saves in flight
+        # have checked in there: its check-ins keep their order)
+        reason = f"{type(e).__name__}: {e}"
+        after_in_flight(lambda: side.abandon(reason), name="shardsafe-save-gave-up")
+        raise
     if total > knobs.async_staging_bytes:
         comm.arrive(knobs.collective_timeout_s)
         return _async_save_in_parts(storage, state_dict, save_overwrite, allow_pickle, comm, side, knobs, result, want_meta, progress)
-    encoded = encode_objects(objects, allow_pickle=allow_pickle)  # a snapshot of the values, too
     ring = RINGS.acquire(total, pinned=pinned)
     staged: list[Any] = []
 
@@ -271,15 +282,19 @@ def _unit_bytes(knobs: Knobs, capacity: int | None) -> int:
 def _prepare(
     storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
     described: Callable[[], tuple[list[LocalTensor], tuple[dict[str, Any], dict[str, str]]]] | None = None,
+    first: Callable[[], None] | None = None,
 ) -> _Prepared:
     """Describe (or take ``described()``: the tensors and the encoded values), gather, plan and
-    scatter: every rank gets its share of the plan."""
+    scatter: every rank gets its share of the plan. ``first`` runs before describing, inside
+    the first gather: its error, like a describing error, is raised on every rank."""
     local: dict[str, LocalTensor] = {}
     key = (tuple(comm.global_ranks), knobs.replica_split_bytes, knobs.checksum_block_bytes)
     cached = plan_cache.lookup(key)
     mine_desc: dict[str, Any] = {}
 
     def describe(full: bool) -> _RankDescription:
+        if first is not None and not mine_desc:
+            first()
         if not mine_desc:
             if described is None:
                 tensors, objects = describe_state(flatten_state(state_dict))

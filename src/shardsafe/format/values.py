@@ -27,7 +27,9 @@ tag             value
 ==============  =================================================================
 
 An enum is decoded only when its module is already imported (a checkpoint never makes the
-reader import a module). Tensors and arrays inline at most :data:`INLINE_BYTES` each: larger
+reader import a module), except Megatron's own (``ModelType``, ``AttnBackend``, ``Rerun*``): those
+are megatron-core's classes where it is importable, and stand-ins with the same member names and
+values otherwise (:func:`shardsafe.format.safe_pickle.megatron_enum`). Tensors and arrays inline at most :data:`INLINE_BYTES` each: larger
 ones belong in a ``ShardedTensor``.
 
 :func:`encode_value` / :func:`decode_value` are the codec itself (``shardsafe.megatron`` stores
@@ -58,6 +60,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError, PickleNotAllowedError
+from .safe_pickle import megatron_enum
 from .strict_json import MAX_DEPTH, nesting_exceeds
 
 __all__ = [
@@ -287,14 +290,16 @@ class _Decoder:
 
     def _tag_enum(self, v: dict, path: tuple) -> enum.Enum:
         module, _, qualname = str(v["class"]).partition(":")
-        obj: Any = sys.modules.get(module)
+        obj: Any = megatron_enum(f"{module}.{qualname}")  # Megatron's own, or a stand-in without megatron-core
         if obj is None:
-            raise CheckpointError(
-                f"{self.where}: the value at key path {_path(path)} is a member of the enum {module}.{qualname}, and "
-                f"module {module!r} is not imported; import it before loading (a checkpoint never imports modules)"
-            )
-        for part in qualname.split("."):
-            obj = getattr(obj, part, None)
+            obj = sys.modules.get(module)
+            if obj is None:
+                raise CheckpointError(
+                    f"{self.where}: the value at key path {_path(path)} is a member of the enum {module}.{qualname}, and "
+                    f"module {module!r} is not imported; import it before loading (a checkpoint never imports modules)"
+                )
+            for part in qualname.split("."):
+                obj = getattr(obj, part, None)
         if not (isinstance(obj, type) and issubclass(obj, enum.Enum)):
             raise self.bad(path, f"{module}.{qualname} is not an enum class in this process")
         try:

@@ -9,11 +9,12 @@ JSON value ``"megatron:common"`` and the config ``"megatron:config"``. So
 for the original, into any layout, and :func:`shardsafe.verify` checks every byte.
 
 Each stored chunk is read once (a torch_dist chunk: exactly its byte range, loaded with
-``torch.load(weights_only=True)``; a Zarr chunk: its file, see
+shardsafe's restricted unpickler; a Zarr chunk: its file, see
 :mod:`shardsafe.megatron.strategies.zarr`), digested and written while the next one is read: memory is
 bounded by a small multiple of the largest chunk. ``common.pt`` and the ShardedObjects are read by
-torch's safe loader with :data:`~shardsafe.megatron.strategies.torch_dist.COMMON_ALLOWLIST` added
-(``argparse.Namespace``): nothing else is unpickled unless ``allow_pickle``. ``metadata.json`` is
+the same unpickler with what megatron-core's own safe globals admit
+(:data:`shardsafe.format.safe_pickle.VALUES`: numpy arrays, ``argparse.Namespace``, Megatron's
+enums): nothing else is unpickled unless ``allow_pickle``. ``metadata.json`` is
 committed last, by the same compare-and-swap as a save.
 """
 

@@ -5,9 +5,10 @@ Such a directory holds DCP's ``.metadata`` and ``.distcp`` files (the sharded pa
 :class:`TorchDistLoadShardedStrategy` loads it into any layout through
 :func:`shardsafe.megatron.serialization.load`, built on shardsafe's DCP importer
 (:mod:`shardsafe.dcp.dcp_format`: ``.metadata`` through an allowlisted unpickler, each stored
-chunk through ``torch.load(weights_only=True)``). ``common.pt`` and the ShardedObjects are read by
-torch's safe loader with :data:`COMMON_ALLOWLIST` added; anything else in them needs
-``allow_pickle=True``.
+chunk through shardsafe's restricted unpickler). ``common.pt`` and the ShardedObjects are read by
+the same unpickler (:mod:`shardsafe.format.safe_pickle`) with what megatron-core's own
+``safe_globals`` admit (numpy arrays, ``argparse.Namespace``, Megatron's enums, torch dtypes);
+anything else in them needs ``allow_pickle=True``.
 
 Megatron stores a ``flattened_range`` tensor (a distributed optimizer's state) "n-d
 reformulated": the DCP tensor has shape ``axis_fragmentations + (box elements,)``, one row per
@@ -18,10 +19,6 @@ of one box, and loads into flattened ranges or plain boxes alike.
 
 from __future__ import annotations
 
-import argparse
-import io
-import pickle
-import types
 from math import prod
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -32,45 +29,32 @@ from ... import adapters
 from ...dcp import dcp_format
 from ...dist import get_comm
 from ...engine.bounds import StoredFile
-from ...errors import ShardingError
+from ...errors import CheckpointError, PickleNotAllowedError, ShardingError
+from ...format import safe_pickle
 from ...format.geometry import check_tiling
 from ...storage import Storage, open_storage
 from ..core import CheckpointingException, opened
 from ..mapping import ShardedObject, ShardedStateDict, StateDict
 from .shardsafe import ShardsafeLoadShardedStrategy, location, sharded_metadata, tensors_metadata
 
-__all__ = ["COMMON_ALLOWLIST", "TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint", "read_common_pt", "read_sharded_object", "stored_pieces"]
+__all__ = ["TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint", "read_common_pt", "read_sharded_object", "stored_pieces"]
 
 COMMON_FNAME = "common.pt"
-COMMON_ALLOWLIST: list[Any] = [argparse.Namespace, types.SimpleNamespace]
-"""Classes that torch's safe loader may build from ``common.pt`` and ShardedObjects, besides its own
-(tensors, dtypes, containers, numbers, strings): what Megatron stores there."""
 
 
 def safe_torch_load(raw: bytes | BinaryIO, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
-    """What ``torch.save`` wrote in ``raw``, read by torch's safe loader with :data:`COMMON_ALLOWLIST`
-    added; a pickle it refuses raises ``CheckpointingException`` unless ``allow_pickle``, ending
-    with ``opt_in`` (by default: pass ``sharded_strategy=<strategy>(allow_pickle=True)``)."""
+    """What ``torch.save`` wrote in ``raw`` (its bytes, or a seekable file of them), read by
+    :func:`shardsafe.format.safe_pickle.load_value_file` (megatron-core's safe globals); a pickle
+    that names any other global raises ``CheckpointingException`` naming it unless
+    ``allow_pickle``, ending with ``opt_in`` (by default: pass ``sharded_strategy=<strategy>(allow_pickle=True)``)."""
     if opt_in is None:
         opt_in = f"Pass sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
-    def source() -> BinaryIO:  # the bytes, or the file (seekable: torch reads only what it needs of it) from its start
-        if isinstance(raw, bytes | bytearray):
-            return io.BytesIO(raw)
-        raw.seek(0)
-        return raw
-
     try:
-        with torch.serialization.safe_globals(COMMON_ALLOWLIST):
-            return torch.load(source(), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if not allow_pickle:
-            raise CheckpointingException(
-                f"{where} holds a pickle that torch's safe loader refuses, even with {[c.__qualname__ for c in COMMON_ALLOWLIST]} "
-                f"allowed ({str(e).splitlines()[0][:200]}); loading it can run arbitrary code. {opt_in}"
-            ) from None
-    except Exception as e:  # noqa: BLE001 - a damaged file
-        raise CheckpointingException(f"{where}: cannot read it: {type(e).__name__}: {str(e)[:300]}") from None
-    return torch.load(source(), map_location="cpu", weights_only=False)
+        return safe_pickle.load_value_file(raw, where=where, allow_pickle=allow_pickle, opt_in=opt_in)
+    except PickleNotAllowedError as e:
+        raise CheckpointingException(str(e)) from None
+    except CheckpointError as e:  # a damaged file
+        raise CheckpointingException(str(e)) from None
 
 
 def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> StateDict:
