@@ -29,7 +29,7 @@ from .core import (
     opened,
 )
 from .dict_utils import merge, nested_values
-from .mapping import CommonStateDict, ShardedStateDict, StateDict, apply_factory_merges
+from .mapping import CommonStateDict, ShardedObject, ShardedStateDict, ShardedTensor, StateDict, apply_factory_merges
 from .state_dict_utils import load_preprocess, save_preprocess
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
@@ -53,6 +53,7 @@ from .utils import extract_sharded_base
 from .validation import StrictHandling, parse_strict_flag
 
 __all__ = [
+    "CkptShardedMetadata",
     "get_default_load_sharded_strategy",
     "get_default_save_common_strategy",
     "get_default_save_sharded_strategy",
@@ -69,6 +70,9 @@ __all__ = [
 ]
 
 _CONTENT_METADATA_KEY = "content_metadata"
+
+CkptShardedMetadata = dict[str, ShardedTensor | ShardedObject]
+"""What :func:`load_sharded_metadata` returns: stored tensors and objects without data, by key."""
 
 
 def save(

@@ -39,6 +39,7 @@ __all__ = [
     "maybe_report_missing_and_unexpected_keys",
     "parse_strict_flag",
     "validate_sharding_integrity",
+    "verify_checkpoint_and_load_strategy",
 ]
 
 log = logging.getLogger(__name__)
@@ -350,3 +351,11 @@ def maybe_report_missing_and_unexpected_keys(missing_keys: set[str], unexpected_
     if raise_error:
         raise CheckpointingException(msg)
     log.warning(msg)
+
+
+def verify_checkpoint_and_load_strategy(checkpoint_dir: Any, sharded_strategy: Any = None, common_strategy: Any = None) -> tuple[Any, Any]:
+    """The strategies that load the checkpoint at ``checkpoint_dir`` (Megatron-Core's tools import
+    it from here); see :func:`shardsafe.megatron.serialization.verify_checkpoint_and_load_strategy`."""
+    from .serialization import verify_checkpoint_and_load_strategy as verify
+
+    return verify(checkpoint_dir, sharded_strategy, common_strategy)
