@@ -11,7 +11,11 @@ It makes a CUDA-less machine look enough like Megatron's CI for those tests:
 - with ``MEGATRON_SUITE_IMPL=shardsafe``, :func:`shardsafe.megatron.install` makes ``shardsafe.megatron``
   the ``megatron.core.dist_checkpointing`` package before anything imports Megatron;
 - each test's outcome is appended to ``$MEGATRON_SUITE_OUT/rank{RANK}.jsonl`` as it finishes, so a file
-  killed on timeout still counts what ran.
+  killed on timeout still counts what ran;
+- after each test the ranks compare outcomes (through a store of their own, on
+  ``MEGATRON_SUITE_STORE_PORT``); when any rank failed, the process group is rebuilt, so that a test
+  failing on some ranks only (which leaves the others' collectives out of step) does not fail every
+  test after it. Megatron's CI stops at the first failure (``-x``); this runner counts them all.
 
 Nothing here changes what a test asserts.
 """
@@ -30,7 +34,7 @@ import torch.distributed as dist
 _IMPL = os.environ.get("MEGATRON_SUITE_IMPL", "megatron")
 _OUT = os.environ.get("MEGATRON_SUITE_OUT")
 _RANK = os.environ.get("RANK", "0")
-_PG_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("MEGATRON_SUITE_PG_TIMEOUT", "300")))
+_PG_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("MEGATRON_SUITE_PG_TIMEOUT", "180")))
 _CPU = torch.device("cpu")
 
 
@@ -231,6 +235,62 @@ if _mcore_utils.get_te_version() is None:
     _mcore_utils._te_version = _Version("0")
 
 
+_store = None
+_test_idx = 0
+_failed_here = False
+
+
+def _suite_store():
+    global _store
+    if _store is None:
+        _store = dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ["MEGATRON_SUITE_STORE_PORT"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(_RANK) == 0,
+            timeout=_PG_TIMEOUT * 3,
+        )
+    return _store
+
+
+def _resync_after(idx: int, failed: bool) -> None:
+    """Wait until every rank finished test ``idx``; rebuild the process group if any failed."""
+    if "MEGATRON_SUITE_STORE_PORT" not in os.environ:
+        return
+    store = _suite_store()
+    world = int(os.environ["WORLD_SIZE"])
+    store.set(f"t{idx}/r{_RANK}", "1" if failed else "0")
+    keys = [f"t{idx}/r{r}" for r in range(world)]
+    try:
+        store.wait(keys)
+    except Exception:  # noqa: BLE001 - a rank is gone: nothing more can run in step
+        _record({"abort": f"a rank did not finish test #{idx}"})
+        os._exit(3)
+    if not any(store.get(k) == b"1" for k in keys) or not dist.is_initialized():
+        return
+    import megatron.core.parallel_state as ps
+
+    try:
+        ps.destroy_model_parallel()
+    except Exception:  # noqa: BLE001 - a broken model-parallel state is what we are replacing
+        pass
+    dist.destroy_process_group()
+    prefix = dist.PrefixStore(f"resync{idx}", store)
+    _init_process_group("gloo", store=prefix, rank=int(_RANK), world_size=world, timeout=_PG_TIMEOUT)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _test_idx, _failed_here
+    _failed_here = False
+    yield
+    _resync_after(_test_idx, _failed_here)
+    _test_idx += 1
+
+
 def _record(entry: dict) -> None:
     if not _OUT:
         return
@@ -243,6 +303,9 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_logreport(report):
+    global _failed_here
+    if report.outcome == "failed":
+        _failed_here = True
     if report.when == "call" or report.outcome != "passed":
         entry = {"test": report.nodeid, "when": report.when, "outcome": report.outcome}
         if report.outcome == "failed":

@@ -93,7 +93,7 @@ def run_file(src: Path, impl: str, test_file: str, nproc: int, timeout: float, w
     out = work / impl / test_file.replace("/", "_")
     shutil.rmtree(out, ignore_errors=True)
     (out / "tmp").mkdir(parents=True)
-    port = _free_port()
+    port, store_port = _free_port(), _free_port()
     env = dict(os.environ)
     env.update(
         MEGATRON_SUITE_IMPL=impl,
@@ -102,6 +102,7 @@ def run_file(src: Path, impl: str, test_file: str, nproc: int, timeout: float, w
         LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        MEGATRON_SUITE_STORE_PORT=str(store_port),
         OMP_NUM_THREADS="1",
         CUDA_VISIBLE_DEVICES="",
         PYTHONPATH=os.pathsep.join([str(HERE), str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -119,7 +120,7 @@ def run_file(src: Path, impl: str, test_file: str, nproc: int, timeout: float, w
         procs.append((subprocess.Popen(cmd, cwd=src, env=renv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
     deadline = time.monotonic() + timeout
     timed_out = False
-    for p, log in procs:
+    for p, _log in procs:
         left = deadline - time.monotonic()
         try:
             p.wait(timeout=max(left, 0.1))

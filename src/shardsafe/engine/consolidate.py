@@ -153,7 +153,7 @@ def unshard_to_safetensors(
     if folder is not None:
         folder.finish(groups, outputs, total)
     seconds = time.monotonic() - started
-    log.info(
+    log.debug(
         "unshard %s -> %s: %d tensors, %d bytes in %d file(s), %.2f s, %.2f GB/s",
         storage.url, out, len(entries), total, len(outputs), seconds, total / max(seconds, 1e-9) / 1e9,
     )

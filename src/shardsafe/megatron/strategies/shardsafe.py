@@ -49,6 +49,7 @@ from ..core import (
     CheckpointingException,
     NotADistributedCheckpointError,
     maybe_load_config,
+    megatron_errors,
     opened,
 )
 from ..dict_utils import dict_list_map_inplace, nested_values
@@ -115,10 +116,12 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    @megatron_errors
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
         """Save the ShardedTensors and ShardedObjects of ``sharded_state_dict`` (no common state)."""
         self.save_all(lambda: (list(nested_values(sharded_state_dict)), {}, None), checkpoint_dir, validate=False)
 
+    @megatron_errors
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
         """:meth:`save` in the background; the request waits for the commit."""
         pending = self.save_all(lambda: (list(nested_values(sharded_state_dict)), {}, None), checkpoint_dir, validate=False, background=True)
@@ -247,6 +250,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 f"the checkpoint's sharded backend version is {loaded_version}, newer than this shardsafe reads ({FORMAT_VERSION}); upgrade shardsafe"
             )
 
+    @megatron_errors
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
         """The ShardedTensors and ShardedObjects of ``sharded_state_dict``, loaded (tensors in place)."""
         comm = get_comm(call="shardsafe.megatron.load")
@@ -256,6 +260,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         )
         return loaded
 
+    @megatron_errors
     def load_common(self, checkpoint_dir: str | Path) -> StateDict:
         """The common state (no process group needed)."""
         return self.common_of(read_metadata(checkpoint_dir, no_dist=True), checkpoint_dir)
@@ -276,20 +281,24 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
             raise CheckpointingException(f"{checkpoint_dir}: the stored common state is a {type(common).__name__}, not a dict")
         return common
 
+    @megatron_errors
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> Any:
         """Replace every ShardedObject by its stored value, in place (no process group needed)."""
         meta = read_metadata(checkpoint_dir, no_dist=True)
         return dict_list_map_inplace(lambda v: self._object(v, meta, checkpoint_dir), sharded_objects_state_dict)
 
+    @megatron_errors
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
         """Every stored tensor as an unsharded ShardedTensor without data, by key."""
         meta = read_metadata(checkpoint_dir, no_dist=True)
         return tensors_metadata(meta)
 
+    @megatron_errors
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
         """Every stored tensor (by key) and ShardedObject (by unique key), without data."""
         return sharded_metadata(read_metadata(checkpoint_dir, no_dist=True))
 
+    @megatron_errors
     def remove_sharded_tensors(self, checkpoint_dir: str | Path, key_prefix: str) -> None:
         """Remove the tensors whose key starts with ``key_prefix``: commit a ``metadata.json``
         without them (atomically), then delete the data files no tensor is left in. Not collective:
@@ -504,11 +513,27 @@ def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool, comm: Comm | Non
 
 
 def tensors_metadata(meta: StorageMetadata) -> ShardedStateDict:
-    """Every stored tensor as an unsharded ShardedTensor without data, by key."""
+    """Every stored tensor as an unsharded ShardedTensor without data, by key. A tensor of more
+    than one dimension saved in flattened ranges (a distributed optimizer's state) is described
+    as Megatron-Core describes it: its whole range, ``flattened_range=slice(0, numel)``, so that
+    loading the description returns the 1-D flattening."""
     out: ShardedStateDict = {}
     for key, t in meta.tensors.items():
-        out[key] = ShardedTensor.from_rank_offsets(key, torch.empty(t.shape, dtype=t.torch_dtype, device="meta")).without_data()
+        whole = torch.empty(t.shape, dtype=t.torch_dtype, device="meta")
+        if len(t.shape) > 1 and _saved_flattened(t):
+            st = ShardedTensor.from_rank_offsets_flat(key, whole.flatten(), whole.shape, flattened_range=slice(0, whole.numel()))
+        else:
+            st = ShardedTensor.from_rank_offsets(key, whole)
+        out[key] = st.without_data()
     return out
+
+
+def _saved_flattened(t: Any) -> bool:
+    """Whether any stored chunk of ``t`` is a flattened range (a v3 chunk table has ``flat`` only then)."""
+    table = getattr(t, "_table", None)
+    if table is not None:
+        return table.flat is not None
+    return any(spec.flattened_range is not None for _, spec in t.chunks())
 
 
 def sharded_metadata(meta: StorageMetadata) -> ShardedStateDict:
