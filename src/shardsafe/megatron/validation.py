@@ -160,25 +160,33 @@ def validate_sharding_integrity(global_metadata: Iterable[Any], common_state_dic
 
 
 def warn_common_differs(common_state_dict: dict[str, Any]) -> None:
-    """Log (WARNING, on rank 0) the ranks whose common state differs from rank 0's (every rank
-    calls it together)."""
-    from .dict_utils import diff
-
+    """Every rank whose common state differs from rank 0's (the one saved) logs a WARNING with
+    the key-level difference (:func:`log_common_difference`); every rank calls it together."""
     comm = get_comm(call="shardsafe.megatron.validate_common_state")
     if not comm.distributed:
         return
-    theirs = comm.gather(lambda: common_state_dict)
-    comm.raise_failures(theirs)
-    if theirs is None:
-        return
-    for rank, other in enumerate(theirs[1:], start=1):
-        left, right, mismatch = diff(theirs[0], other)
-        if left or right or mismatch:
-            log.warning(
-                "rank %d's common state differs from rank 0's, which is the one saved: keys only on rank 0: %s, "
-                "only on rank %d: %s, different values: %s", comm.global_ranks[rank], left, comm.global_ranks[rank], right,
-                [m[0] for m in mismatch],
-            )
+    rank0 = comm.broadcast(lambda: common_state_dict)
+    if not comm.is_coordinator:
+        log_common_difference(comm.global_rank, rank0, common_state_dict)
+
+
+def log_common_difference(rank: int, rank0_common: Any, common: Any) -> bool:
+    """Log (WARNING) how rank ``rank``'s common state differs from rank 0's, key by key, in
+    Megatron-Core's words, if it does; return whether it does::
+
+        Rank 3 common state dict differs from rank 0 common state dict. Keys only on rank 0: [],
+        Keys only on 3: [], Mismatched keys: [(('rank',), <class 'int'>, <class 'int'>)]
+    """
+    from .dict_utils import diff
+
+    only_rank0, only_here, mismatch = diff(rank0_common, common)
+    if not (only_rank0 or only_here or mismatch):
+        return False
+    log.warning(
+        f"Rank {rank} common state dict differs from rank 0 common state dict. Keys only on rank 0: {only_rank0}, "
+        f"Keys only on {rank}: {only_here}, Mismatched keys: {mismatch}"
+    )
+    return True
 
 
 def check_global_sharding(per_rank: list[list[Entry]]) -> list[list[int]]:
