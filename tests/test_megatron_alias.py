@@ -404,3 +404,41 @@ def test_the_megatron_suite_runner_says_how_to_get_megatrons_sources(tmp_path):
         "  git clone --depth 1 --branch core_v0.15.3 https://github.com/NVIDIA/Megatron-LM /path/to/megatron-src\n"
         "  make test-megatron MEGATRON_SRC=/path/to/megatron-src\n"
     )
+
+
+def test_a_cast_load_of_a_padded_tensor_keeps_zeros_outside_the_stored_shape(tmp_path):
+    path = str(tmp_path / "c")
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(1, 7).reshape(2, 3))}, path)  # int64 (2, 3)
+    into = ShardedTensor.from_rank_offsets("w", torch.full((2, 5), 7.0), allow_shape_mismatch=True)  # float32 (2, 5)
+    got = load({"w": into}, path)
+    assert torch.equal(got["w"], torch.tensor([[1.0, 2, 3, 0, 0], [4, 5, 6, 0, 0]]))
+
+
+def test_diff_compares_tensors_by_value_across_dtypes_as_megatron_does():
+    from shardsafe.megatron.dict_utils import diff
+
+    assert diff({"t": torch.arange(3)}, {"t": torch.arange(3.0)}) == ([], [], [])
+    assert diff({"t": torch.arange(3)}, {"t": torch.tensor([0.0, 1.0, 2.5])}) == ([], [], [(("t",), torch.Tensor, torch.Tensor)])
+    assert diff({"t": torch.arange(3)}, {"t": torch.arange(4)}) == ([], [], [(("t",), torch.Tensor, torch.Tensor)])
+
+
+def test_a_sharding_gap_is_named_in_megatrons_words_first():
+    from shardsafe.megatron.validation import validate_sharding_integrity
+
+    def flat(rank: int, start: int, stop: int) -> ShardedTensor:
+        return ShardedTensor.from_rank_offsets_flat("flat", torch.ones(stop - start), (1, 6), (0, rank, 2), flattened_range=slice(start, stop))
+
+    # rows 0 and 1 of a (2, 6) tensor, each a box split in flattened ranges; row 0 lacks [2, 4)
+    with pytest.raises(CheckpointingException) as gap_in_box:
+        validate_sharding_integrity([[flat(0, 0, 2), flat(0, 4, 6)], [flat(1, 0, 6)]])
+    assert str(gap_in_box.value) == (
+        "Flattened ranges dont cover the whole shard ShardedTensor(key='flat', global_offset=(0, 0), local_shape=(1, 6)): "
+        "the main replicas (on ranks [0, 1]) cover 10 of the 12 elements of global shape [2, 6]: a gap, the first at "
+        "element [0, 2]; every element needs exactly one main replica"
+    )
+    with pytest.raises(CheckpointingException) as missing_box:
+        validate_sharding_integrity([[flat(0, 0, 6)], []])
+    assert str(missing_box.value) == (
+        "Invalid access pattern for key 'flat': the main replicas (on ranks [0]) cover 6 of the 12 elements of global "
+        "shape [2, 6]: a gap, the first at element [1, 0]; every element needs exactly one main replica"
+    )

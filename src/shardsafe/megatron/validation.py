@@ -154,6 +154,8 @@ def validate_sharding_integrity(global_metadata: Iterable[Any], common_state_dic
     items = list(global_metadata)
     if not all(isinstance(x, list) for x in items):
         _, items = determine_global_metadata({"local": [x for x in items if isinstance(x, ShardedBase)]})
+    elif get_comm(call=None).rank != 0:
+        return  # as in Megatron-Core: given every rank's metadata, rank 0 checks (and raises), the others return
     if common_state_dict is not None:
         warn_common_differs(common_state_dict)
     check_global_sharding([describe_local(rank_values) for rank_values in items])
@@ -290,15 +292,26 @@ def _diagnose(key: str, shape: tuple[int, ...], held: list[tuple[int, int, Entry
     covered = sum(prod(b[1]) for b in boxes)
     ranks = sorted({b[2] for b in boxes})
     where = ""
+    # Megatron-Core's words first: a gap inside a box that flattened ranges share, or a box no main replica holds
+    kind = f"Invalid access pattern for key {key!r}"
     if total <= _MASK_LIMIT:
         mask = torch.zeros(shape, dtype=torch.bool)
         for off, lens, _, _ in boxes:
             mask[tuple(slice(o, o + n) for o, n in zip(off, lens))] = True
         missing = (~mask).nonzero()
         if len(missing):
-            where = f", the first at element {missing[0].tolist()}"
+            first = missing[0].tolist()
+            where = f", the first at element {first}"
+            flat_box = next(
+                (e for _, _, e in held if e.main and e.flat is not None
+                 and all(o <= x < o + n for x, o, n in zip(first, e.offset, e.lengths or ()))),
+                None,
+            )
+            if flat_box is not None:
+                box = f"ShardedTensor(key={key!r}, global_offset={tuple(flat_box.offset)}, local_shape={tuple(flat_box.lengths or ())})"
+                kind = f"Flattened ranges dont cover the whole shard {box}"
     return CheckpointingException(
-        f"key {key!r}: the main replicas (on ranks {ranks}) cover {covered} of the {total} elements of global shape "
+        f"{kind}: the main replicas (on ranks {ranks}) cover {covered} of the {total} elements of global shape "
         f"{list(shape)}: a gap{where}; every element needs exactly one main replica"
     )
 

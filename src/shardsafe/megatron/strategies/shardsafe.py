@@ -432,7 +432,8 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 stored = meta.tensors.get(v.key)
                 into = v
                 if stored is not None and stored.torch_dtype != v.data.dtype:  # read as stored, cast after (as Megatron-Core's DCP load does)
-                    into = replace(v, data=torch.empty_like(v.data, dtype=stored.torch_dtype), dtype=stored.torch_dtype)
+                    blank = torch.zeros_like if v.allow_shape_mismatch else torch.empty_like  # padding outside the stored shape stays 0
+                    into = replace(v, data=blank(v.data, dtype=stored.torch_dtype), dtype=stored.torch_dtype)
                     casts.append((into.data, v.data))
                 piece = _piece(into, saving=False, stored_shape=stored.shape if stored is not None else None)
                 if piece is not None:

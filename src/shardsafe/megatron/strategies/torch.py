@@ -94,9 +94,7 @@ class MCoreSavePlanner:
 def get_reformulation_metadata(sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> dict[str, Any]:
     """Which requested n-d flattened tensors must be reformulated to the saved layout before a
     load: none with shardsafe (``{}``), which reads any flattened range of any saved layout
-    directly; the checkpoint must still exist."""
-    if not Path(checkpoint_dir).exists() and "://" not in str(checkpoint_dir):
-        raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
+    directly."""
     return {}
 
 
