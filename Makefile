@@ -92,7 +92,7 @@ bench-hf-quick: $(BENCH_STAMP)
 # shardsafe.megatron installed as megatron.core.dist_checkpointing and against real megatron-core;
 # prints MEGATRON-TESTS lines. Not part of `make test`: it needs Megatron-LM's sources, which CI cannot
 # fetch (git clone --depth 1 --branch core_v0.15.3 https://github.com/NVIDIA/Megatron-LM $(MEGATRON_SRC)).
-# MEGATRON_TESTS=... picks files (e.g. "test_mapping.py test_serialization.py"); about an hour for all.
+# MEGATRON_TESTS=... picks files (e.g. "test_mapping.py test_serialization.py", or --all for every file, models/ too).
 .PHONY: test-megatron
 MEGATRON_SRC ?=
 MEGATRON_TESTS ?=
