@@ -45,6 +45,7 @@ def run(path: str) -> None:
     from bench_planner import fsdp_targets
 
     from shardsafe._gc import paused_gc
+    from shardsafe.engine.file_index import bind_files
     from shardsafe.format.metadata import StorageMetadata
     from shardsafe.planning.read_plan import StoredIndex, plan_reads
 
@@ -55,6 +56,8 @@ def run(path: str) -> None:
         """A file's header at offset 0; zeros for its checksum entry (as metadata_from_plan digests it)."""
 
         url = "bench://"
+        local_root = None
+        coalesce_gap_bytes = None
 
         def read_into(self, name: str, offset: int, buffers: list) -> None:
             (buf,) = buffers
@@ -63,7 +66,7 @@ def run(path: str) -> None:
     for rep in range(3):
         t0 = time.perf_counter()
         with paused_gc():  # as Checkpointer's metadata read does
-            meta = StorageMetadata.from_json(raw, where="metadata.json").bind(Headers())
+            meta = bind_files(StorageMetadata.from_json(raw, where="metadata.json"), Headers())
         t1 = time.perf_counter()
         targets = fsdp_targets(meta, ranks // 2, ranks // 4)
         t2 = time.perf_counter()

@@ -99,11 +99,12 @@ from functools import partial
 from math import prod
 
 from shardsafe._gc import paused_gc
+from shardsafe.engine.file_index import bind_files
 from shardsafe.engine.writer import _build_metadata, _file_row
 from shardsafe.format.checksum import file_digest
+from shardsafe.format.geometry import Piece, chunk_bounds
 from shardsafe.format.metadata import StorageMetadata
 from shardsafe.knobs import KNOBS
-from shardsafe.planning.geometry import Piece, chunk_bounds
 from shardsafe.planning.read_plan import StoredIndex, plan_reads
 from shardsafe.planning.save_plan import SavePlan, TensorDesc, describe_rank, plan_global, plan_rank, plan_save
 
@@ -228,6 +229,8 @@ class HeaderStore:
     plan) and its checksum entry (zeros, as :func:`metadata_from_plan` digests them)."""
 
     url = "bench://"
+    local_root = None
+    coalesce_gap_bytes = None
 
     def __init__(self, plan: SavePlan) -> None:
         self.files = {r.file: r for r in plan.ranks if r.file is not None}
@@ -361,7 +364,7 @@ def measure_ours(
     targets = fsdp_targets(parsed, target_world, rank)
 
     def indexes():
-        parsed.bind(headers)
+        bind_files(parsed, headers)
         return {key: StoredIndex(t, targets[key]) for key, t in parsed.tensors.items()}
 
     idx, dt_idx = timed(indexes, prof)

@@ -96,6 +96,7 @@ def _timed_phases() -> None:
     """Wrap the steps of shardsafe.megatron.load: wall and process CPU seconds per step."""
     import shardsafe.checkpointer as ck
     import shardsafe.dist as sd
+    import shardsafe.engine.loader as loader
     import shardsafe.engine.reader as rd
     import shardsafe.megatron.serialization as ser
     import shardsafe.megatron.strategies.shardsafe as ss
@@ -127,10 +128,10 @@ def _timed_phases() -> None:
     wrap(ss, "describe_local", "describe_local")
     wrap(ss, "dict_list_map_inplace", "dict_list_map_inplace")
     wrap(ss.ShardsafeLoadShardedStrategy, "read_targets", "read_targets")
-    wrap(ck.Checkpointer, "_load", "  Checkpointer._load")
+    wrap(ck, "load_state", "  load_state")
     wrap(rd.Reader, "load_tensors", "    Reader.load_tensors")
-    wrap(ck, "load_targets", "    load_targets")
-    wrap(ck, "_check_targets", "    _check_targets")
+    wrap(loader, "load_targets", "    load_targets")
+    wrap(loader, "check_targets", "    check_targets")
     wrap(sd.Comm, "arrive", "Comm.arrive")
     wrap(sd.Comm, "gather", "Comm.gather")
     wrap(sd.Comm, "broadcast", "Comm.broadcast")

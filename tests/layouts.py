@@ -9,7 +9,7 @@ from math import prod
 
 from hypothesis import strategies as st
 
-from shardsafe.planning.geometry import chunk_bounds
+from shardsafe.format.geometry import chunk_bounds
 
 
 def whole(shape):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardsafe.adapters import describe_state
+from shardsafe.engine.file_index import bind_files
 from shardsafe.engine.staging import StagingRing, aligned, live_units, stage
 from shardsafe.engine.writer import _build_metadata, _file_row, _unit_bytes, _write_file
 from shardsafe.format.metadata import METADATA_FILENAME, StorageMetadata
@@ -35,7 +36,7 @@ def simulate_save(
     ]
     meta = _build_metadata(plan.plan, files, ({}, {}), knobs.checksum_block_bytes, "5eed")
     storage.put_atomic(METADATA_FILENAME, meta.to_json(), overwrite=True)
-    return meta.bind(storage)
+    return bind_files(meta, storage)
 
 
 def _units(items, local, knobs, staged: bool):

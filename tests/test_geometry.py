@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardsafe.adapters.describe import dtensor_intervals
 from shardsafe.errors import ShardingError
-from shardsafe.planning.geometry import check_tiling, chunk_bounds, flat_segments
+from shardsafe.format.geometry import check_tiling, chunk_bounds, flat_segments
 
 from .tiling_reference import reference_check_tiling
 

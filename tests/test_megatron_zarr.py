@@ -134,7 +134,7 @@ def test_zarr_refusals(tmp_path):
     path = _copy(tmp_path / "t")
     with open(os.path.join(path, "w", "1.0"), "r+b") as f:
         f.truncate(40)
-    with pytest.raises(CheckpointingException, match=r"chunk w/1\.0 holds 40 bytes, not the 48 of a \[2, 6\] chunk of torch\.float32"):
+    with pytest.raises(CheckpointingException, match=r"chunk w/1\.0 holds 40 bytes, not the 48 bytes of a \[2, 6\] chunk of torch\.float32"):
         load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6))}, path)
     os.remove(os.path.join(path, "w", "1.0"))
     with pytest.raises(CheckpointingException, match=r"array 'w' has no chunk file '1\.0'"):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from shardsafe import Checkpointer, ShardedTensor
 from shardsafe.errors import DtypeMismatchError, ShapeMismatchError, ShardingError
 from shardsafe.format.dtypes import torch_dtype
-from shardsafe.planning.geometry import chunk_bounds
+from shardsafe.format.geometry import chunk_bounds
 from shardsafe.planning.save_plan import TensorDesc, describe_rank, plan_global, plan_save
 
 from .layouts import layouts, whole

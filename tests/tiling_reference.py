@@ -1,6 +1,6 @@
 """The tiling check as it was before it became O(n log n): pure Python, quadratic when pieces
 overlap partially on their first dimension (4000 staircase chunks took seconds). Kept as the
-reference that ``shardsafe.planning.geometry.check_tiling`` must agree with
+reference that ``shardsafe.format.geometry.check_tiling`` must agree with
 (``tests/test_geometry.py``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from math import prod
 
 from shardsafe.errors import ShardingError
-from shardsafe.planning.geometry import Piece, Shape, flat_segments, intersect
+from shardsafe.format.geometry import Piece, Shape, flat_segments, intersect
 
 
 def reference_check_tiling(key: str, shape: Shape, pieces: list[Piece]) -> None:

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from shardsafe.format.checksum import crc32c
-from shardsafe.planning.geometry import chunk_bounds
+from shardsafe.format.geometry import chunk_bounds
 
 Spec = list[tuple[str, tuple[int, ...], torch.dtype]]
 

@@ -4,6 +4,7 @@ with ``(bytes done, bytes in all)``; ``None`` / ``False`` shows nothing."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,3 +71,26 @@ def tqdm_bar(what: str) -> Progress:
             bar.close()
 
     return update
+
+
+def conversion_progress(progress: bool | Callable[[int, int], None] | None, total: int, url: str) -> Callable[[int], None]:
+    """A converter's progress: ``progress(done, total)`` for a callable, a line on stderr
+    redrawn at most twice a second for True (or None on a terminal), nothing for False."""
+    if callable(progress):
+        return lambda done: progress(done, total)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return lambda done: None
+    state = {"last": 0.0}
+
+    def show(done: int) -> None:
+        now = time.monotonic()
+        if done < total and now - state["last"] < 0.5:
+            return
+        state["last"] = now
+        pct = 100.0 * done / total if total else 100.0
+        end = "\n" if done >= total else "\r"
+        print(f"converting to {url}: {done / 1e6:.1f} / {total / 1e6:.1f} MB ({pct:.0f}%)", end=end, file=sys.stderr, flush=True)
+
+    return show

@@ -16,6 +16,7 @@ from torch import nn
 
 from ._args import check_arg, check_bool
 from ._progress import Progress, rank_progress
+from .adapters.keys import MODEL_PREFIX, OPTIM_PREFIX
 from .adapters.modules import ParamInfo, model_state
 from .adapters.optim import (
     GROUPS_KEY,
@@ -26,12 +27,13 @@ from .adapters.optim import (
     optim_targets,
     split_state_key,
 )
-from .checkpointer import Checkpointer, _read_metadata
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
+from .engine.loader import load_state, read_metadata, unshard_state
+from .engine.writer import async_save_state, save_state
 from .errors import CheckpointError, MissingKeyError
 from .format.metadata import StorageMetadata
-from .knobs import Knobs
+from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
 
 if TYPE_CHECKING:
@@ -39,7 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["async_save_model_and_optim_state", "load_model_and_optim_state", "save_model_and_optim_state", "unshard_model_state", "unshard_optim_state"]
 
-MODEL_PREFIX = "model."
 
 
 def _model_values(params: list[ParamInfo], buffers: list[ParamInfo]) -> dict[str, Any]:
@@ -117,15 +118,16 @@ def _save_model_and_optim(
 ) -> Any:
     _check_model_args(func, model, optim, knobs)
     check_bool(func, "save_overwrite", save_overwrite)
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(dir)
     state = model_and_optim_values(model, optim)
     # an async save's ranks meet in the background (see async_save_state)
-    comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s, arrive=not background)
+    comm = get_comm(process_group=process_group, call=f"shardsafe.{func}", timeout_s=knobs.collective_timeout_s, arrive=not background)
     bar = rank_progress(progress, func, comm.is_coordinator)
+    common = dict(save_overwrite=save_overwrite, allow_pickle=False, comm=comm, knobs=knobs, want_meta=False, progress=bar)
     if not background:
-        return ckpt._save(storage, state, save_overwrite, comm, want_meta=False, progress=bar)[1]  # only the files are returned
-    return ckpt._async_save(storage, state, save_overwrite, comm, result=lambda out: out[1], want_meta=False, progress=bar)
+        return save_state(storage, state, **common)[1]  # only the files are returned
+    return async_save_state(storage, state, result=lambda out: out[1], **common)
 
 
 def load_model_and_optim_state(
@@ -155,20 +157,20 @@ def load_model_and_optim_state(
     """
     _check_model_args("load_model_and_optim_state", model, optim, knobs)
     check_bool("load_model_and_optim_state", "validate", validate)
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(dir)
-    comm = get_comm(process_group=process_group, call="shardsafe.load_model_and_optim_state", timeout_s=ckpt.knobs.collective_timeout_s)
+    comm = get_comm(process_group=process_group, call="shardsafe.load_model_and_optim_state", timeout_s=knobs.collective_timeout_s)
     bar = rank_progress(progress, "load_model_and_optim_state", comm.is_coordinator)
-    _load_state(ckpt, storage, comm, model, optim, validate=validate, progress=bar)
+    load_model_and_more(storage, comm, model, optim, knobs=knobs, validate=validate, progress=bar)
 
 
-def _load_state(
-    ckpt: Checkpointer,
+def load_model_and_more(
     storage: Storage,
     comm: Comm,
     model: nn.Module | None,
     optim: torch.optim.Optimizer | None,
     *,
+    knobs: Knobs,
     validate: bool,
     more_targets: Callable[[StorageMetadata], dict[str, Any]] | None = None,
     more_apply: Callable[[dict[str, Any]], None] | None = None,
@@ -178,14 +180,14 @@ def _load_state(
     place and, in the same pass, the targets ``more_targets(metadata)`` returns; then hand the
     optimizer its state and call ``more_apply`` with every loaded value. Every rank of ``comm``
     calls it together; a failure on any rank (in the callbacks too) raises on every rank."""
-    meta = _read_metadata(storage, comm)
+    meta = read_metadata(storage, comm)
     params, buffers = model_state(model) if model is not None else ([], [])
     holder: dict[str, Any] = {}
 
     def targets() -> None:
         state: dict[str, Any] = {}
         if model is not None:
-            _check_model_keys(meta.tensors, [i.fqn for i in [*params, *buffers]], storage.url, strict=validate)
+            check_model_keys(meta.tensors, [i.fqn for i in [*params, *buffers]], storage.url, strict=validate)
             state = _model_values(params, buffers)
         if optim is not None:
             opt_targets, holder["apply"] = optim_targets(optim, params, meta, storage.url, strict=validate)
@@ -196,7 +198,7 @@ def _load_state(
 
     comm.check(targets)
     state = holder["state"]
-    ckpt._load(storage, state, comm, meta, progress)  # the storage already opened: one client, not two
+    load_state(storage, state, comm, meta, allow_pickle=False, knobs=knobs, progress=progress)  # the storage already opened: one client, not two
 
     def apply() -> None:
         if optim is not None:
@@ -224,12 +226,15 @@ def _unshard_prefix(
     check_bool(func, "rank0_only", rank0_only)
     check_bool(func, "no_dist", no_dist)
     check_arg(func, "knobs", knobs, Knobs, optional=True)
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(dir)
-    comm = get_comm(no_dist, process_group, call=f"shardsafe.{func}", timeout_s=ckpt.knobs.collective_timeout_s)
+    comm = get_comm(no_dist, process_group, call=f"shardsafe.{func}", timeout_s=knobs.collective_timeout_s)
     bar = rank_progress(progress, func, comm.is_coordinator)
     try:
-        return ckpt._unshard(storage, comm, device=device, rank0_only=rank0_only, prefix=prefix, progress=bar), comm
+        out = unshard_state(
+            storage, comm, allow_pickle=False, knobs=knobs, device=device, rank0_only=rank0_only, prefix=prefix, progress=bar
+        )
+        return out, comm
     except MissingKeyError as e:
         raise MissingKeyError(f"{storage.url}: {what}: {e}") from None  # the URL: ``dir`` may be a Storage
 
@@ -239,7 +244,7 @@ def _where(dir: Location) -> str:
     return str(getattr(dir, "url", dir))
 
 
-def _check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool, flag: str = "validate") -> None:
+def check_model_keys(stored: dict[str, Any], fqns: list[str], where: str, *, strict: bool, flag: str = "validate") -> None:
     stored_model = {k[len(MODEL_PREFIX) :] for k in stored if k.startswith(MODEL_PREFIX)}
     missing = [f for f in fqns if f not in stored_model]
     if missing:
@@ -307,7 +312,7 @@ def unshard_optim_state(
     """
     what = f"no optimizer state in the checkpoint (no {GROUPS_KEY!r})"
     flat, comm = _unshard_prefix(
-        "unshard_optim_state", dir, "optim.", what, device, rank0_only, no_dist, knobs, process_group, progress
+        "unshard_optim_state", dir, OPTIM_PREFIX, what, device, rank0_only, no_dist, knobs, process_group, progress
     )
     if not flat and rank0_only and comm.rank != 0:
         return {}  # not rank 0 (an empty result on rank 0 means no optimizer was saved: refused below)
@@ -318,7 +323,7 @@ def optim_state_of(flat: dict[str, Any], where: str) -> dict[str, Any]:
     """:func:`unshard_optim_state`'s result from the values stored under ``optim.`` (prefix
     removed, tensors first as the unshard gives them); the tensors may be any objects standing in
     for them (``shardsafe.lightning.consolidate`` passes placeholders). Consumes ``flat``."""
-    name = GROUPS_KEY[len("optim.") :]
+    name = GROUPS_KEY[len(OPTIM_PREFIX) :]
     groups = flat.pop(name, None)
     if groups is None:  # written by DCP (get_state_dict): param_groups.<i>.<field>
         dotted = {k: flat.pop(k) for k in [k for k in flat if k.startswith(name + ".")]}
@@ -329,8 +334,8 @@ def optim_state_of(flat: dict[str, Any], where: str) -> dict[str, Any]:
     fqns = {f for g in groups for f in g["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
-        if not key.startswith(STATE_PREFIX[len("optim.") :]):
+        if not key.startswith(STATE_PREFIX[len(OPTIM_PREFIX) :]):
             continue
-        fqn, name = split_state_key("optim." + key, fqns)
+        fqn, name = split_state_key(OPTIM_PREFIX + key, fqns)
         state.setdefault(fqn, {})[name] = value
     return {"state": state, "param_groups": groups}

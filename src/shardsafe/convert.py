@@ -8,7 +8,6 @@ Both run in one process, with no process group, and write through the converters
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import mmap
@@ -23,8 +22,9 @@ import torch
 from ._args import check_arg, check_bool
 from ._progress import progress_callback
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, PickleNotAllowedError, StorageError
+from .format import strict_json
 from .storage import Location, open_storage
-from .storage.local import LocalStorage
+from .storage.local import open_nofollow
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,8 @@ def _write(
     tensor, called once, when it is written) in one data file per list of keys in ``files``, and
     ``values``, as a checkpoint at ``dst``, committed last."""
     from .engine.commit import committed_version
-    from .engine.objects import encode_objects
     from .engine.rewrite import Chunk, write_checkpoint
+    from .format.values import encode_objects
     from .knobs import KNOBS
 
     started = time.monotonic()
@@ -179,14 +179,17 @@ def convert_hf(
     values = {k: _value(v) for k, v in hf.metadata.items() if k != "format" and k not in hf.tensors}
     maps: dict[str, mmap.mmap | None] = {}
     try:
-        if isinstance(hf.storage, LocalStorage):
+        if hf.storage.local_root is not None:
 
             def load(key: str) -> torch.Tensor:
                 file, (spec,) = specs[key]
                 if file not in maps:
-                    with open(os.path.join(hf.storage.root, file), "rb") as f:  # type: ignore[attr-defined]
-                        size = os.fstat(f.fileno()).st_size
-                        maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+                    fd = open_nofollow(os.path.join(hf.storage.local_root, file))  # type: ignore[arg-type]
+                    try:
+                        size = os.fstat(fd).st_size
+                        maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if size else None
+                    finally:
+                        os.close(fd)
                 a, b = spec.byte_range
                 tm = hf.tensors[key]
                 if b > _size(maps[file]):
@@ -223,9 +226,10 @@ def convert_hf(
 
 def _value(text: str) -> Any:
     try:
-        return json.loads(text)
-    except ValueError:
+        value = strict_json.loads(text.encode())
+    except ValueError:  # not JSON (or nested deeper than any value may): kept as the string it is
         return text
+    return text if strict_json.nesting_exceeds(value, strict_json.MAX_DEPTH) else value
 
 
 def _size(m: mmap.mmap | None) -> int:

@@ -11,7 +11,6 @@ and sizes are checked).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -25,14 +24,15 @@ from ._progress import rank_progress, targets_done
 from .adapters import describe_state
 from .adapters.modules import model_state
 from .dist import Comm, get_comm
-from .engine.bounds import check_files_hold
+from .engine.bounds import check_files_hold, read_limited, read_range
 from .engine.consolidate import INDEX_FILE, SINGLE_FILE
 from .engine.reader import Reader
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, StorageError
+from .format import strict_json
 from .format.checksum import ChunkSums
 from .format.dtypes import SAFETENSORS_CODE
-from .format.metadata import MAX_NDIM, MAX_SIZE, TensorShardSpec, TensorStorageMetadata
-from .format.safetensors_file import parse_header
+from .format.metadata import MAX_NDIM, MAX_SIZE, TensorShardSpec, TensorStorageMetadata, built
+from .format.safetensors_file import MAX_HEADER, parse_header
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
 from .storage.base import url_scheme
@@ -44,8 +44,8 @@ __all__ = ["HFModel", "load_hf_safetensors", "open_hf_model"]
 
 log = logging.getLogger(__name__)
 
-_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 _BY_CODE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
+_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in SAFETENSORS_CODE}
 
 
 class _UncheckedTensor(TensorStorageMetadata):
@@ -83,6 +83,7 @@ def open_hf_model(location: Location, comm: Comm | None = None) -> HFModel:
     headers, weight_map = comm.broadcast(read) if comm is not None else read()
     tensors: dict[str, TensorStorageMetadata] = {}
     metadata: dict[str, str] = {}
+    ranges: list[tuple[int, int, str]] = []
     for file, raw in headers.items():
         fwhere = f"{storage.url.rstrip('/')}/{file}"
         try:
@@ -100,12 +101,29 @@ def open_hf_model(location: Location, comm: Comm | None = None) -> HFModel:
                 raise CorruptCheckpointError(
                     f"{where}: tensor {key!r} is in {file}, the index maps it to {weight_map.get(key)!r}; the index does not match the files"
                 )
-            tensors[key] = _tensor(key, entry, start, file, fwhere)
+            tensors[key] = tm = _tensor(key, entry, start, file, fwhere)
+            ranges.append((*tm.shard_spec_per_file[file][0].byte_range, key))
+        _check_disjoint(ranges, fwhere)
+        ranges.clear()
     if weight_map is not None:
         lost = sorted(set(weight_map) - set(tensors))
         if lost:
             raise CorruptCheckpointError(f"{where}: the index names {len(lost)} tensor(s) no file holds: {lost[:5]}")
     return HFModel(storage, where, tensors, metadata)
+
+
+def _check_disjoint(ranges: list[tuple[int, int, str]], where: str) -> None:
+    """No two tensors of one file share bytes (``ranges``: start, end, key), as the official
+    ``safetensors`` library requires: two tensors aliasing one another's bytes are refused."""
+    last = (0, 0, "")  # the range reaching furthest so far
+    for b0, b1, kb in sorted(r for r in ranges if r[1] > r[0]):
+        a0, a1, ka = last
+        if b0 < a1:
+            raise CorruptCheckpointError(
+                f"{where}: not a valid safetensors file: tensors {ka!r} (bytes [{a0}, {a1})) and {kb!r} (bytes [{b0}, {b1})) "
+                "overlap; each tensor has bytes of its own"
+            )
+        last = (b0, b1, kb)
 
 
 def _split(loc: str) -> tuple[str, str]:
@@ -143,10 +161,10 @@ def _files(storage: Storage, name: str, where: str) -> tuple[list[str], dict[str
                 + "; name the model file or the folder that holds it"
             )
     try:
-        doc = json.loads(storage.read(name))
+        doc = strict_json.loads(read_limited(storage, name))
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{where}: no such index file") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except ValueError as e:
         raise CorruptCheckpointError(f"{where}/{name}: the index is not valid JSON: {e}") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -164,10 +182,9 @@ def _read_header(storage: Storage, file: str, where: str) -> bytes:
         head = bytearray(8)
         storage.read_into(file, 0, [memoryview(head)])
         n = int.from_bytes(head, "little")
-        if n > _MAX_HEADER:
-            raise CorruptCheckpointError(f"{fwhere}: not a valid safetensors file: header length {n} exceeds the {_MAX_HEADER}-byte limit")
-        raw = bytearray(8 + n)
-        storage.read_into(file, 0, [memoryview(raw)])
+        if n > MAX_HEADER:
+            raise CorruptCheckpointError(f"{fwhere}: not a valid safetensors file: header length {n} exceeds the {MAX_HEADER}-byte limit")
+        raw = read_range(storage, file, 0, 8 + n)  # a length the file does not hold is refused before allocating
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{fwhere}: no such file (named by {where})") from None
     except CorruptCheckpointError as e:
@@ -197,12 +214,12 @@ def _tensor(key: str, entry: Any, start: int, file: str, where: str) -> TensorSt
             raise CorruptCheckpointError(f"{bad}: shape {shape} would hold 2**62 bytes or more")
     if offsets[1] - offsets[0] != nbytes:
         raise CorruptCheckpointError(f"{bad}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, shape {shape} of {dtype} needs {nbytes}")
-    spec = TensorShardSpec(
-        global_offset=(0,) * len(shape), local_shape=tuple(shape), name=key, byte_range=(start + offsets[0], start + offsets[1])
-    )
-    return _UncheckedTensor(
-        shape=tuple(shape), dtype=str(dtype).removeprefix("torch."), is_sharded=False, shard_spec_per_file={file: [spec]}
-    )
+    # every field checked above: built without pydantic's validation (a header may list 300k tensors)
+    spec = built(TensorShardSpec, {
+        "global_offset": (0,) * len(shape), "local_shape": tuple(shape), "name": key, "byte_range": (start + offsets[0], start + offsets[1]),
+    })
+    fields = {"shape": tuple(shape), "dtype": _NAMES[dtype], "is_sharded": False, "shard_spec_per_file": {file: [spec]}}
+    return built(_UncheckedTensor, fields, {"_checksum": None, "_table": None, "_doc": None, "_key": ""})
 
 
 def load_hf_safetensors(
@@ -240,8 +257,9 @@ def load_hf_safetensors(
     callable is called on every rank as ``progress(done, total)`` with the bytes of this rank's
     parameters and buffers filled so far.
     """
-    from .api import MODEL_PREFIX, _check_model_keys
-    from .checkpointer import _check_targets
+    from .adapters.keys import MODEL_PREFIX
+    from .api import check_model_keys
+    from .engine.loader import check_targets
 
     check_arg("load_hf_safetensors", "model", model, nn.Module)
     check_arg("load_hf_safetensors", "prefix", prefix, str, optional=True)
@@ -259,10 +277,10 @@ def load_hf_safetensors(
     def run() -> int:
         params, buffers = model_state(model)
         as_model = {MODEL_PREFIX + k[len(pre) :]: t for k, t in stored.items()}
-        _check_model_keys(as_model, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
+        check_model_keys(as_model, [i.fqn for i in [*params, *buffers]], hf.where, strict=strict, flag="strict")
         values = {pre + i.fqn: i.sharded(pre + i.fqn, i.tensor) for i in [*params, *buffers] if not i.holds_nothing}
         tensors, _ = describe_state(values, targets=True)
-        _check_targets(_Tensors(stored), tensors, [], hf.where)
+        check_targets(_Tensors(stored), tensors, [], hf.where)
         check_files_hold(hf.storage, ((t.key, stored[t.key]) for t in tensors))
         with Reader(hf.storage, knobs) as reader:
             reader.load_tensors(((stored[t.key], t) for t in tensors), targets_done(bar, tensors))
@@ -279,7 +297,7 @@ def load_hf_safetensors(
 
 
 class _Tensors:
-    """What :func:`_check_targets` reads of a checkpoint's metadata: its tensors."""
+    """What :func:`~shardsafe.engine.loader.check_targets` reads of a checkpoint's metadata: its tensors."""
 
     def __init__(self, tensors: dict[str, TensorStorageMetadata]) -> None:
         self.tensors = tensors

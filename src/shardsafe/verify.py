@@ -19,7 +19,7 @@ from .errors import CheckpointError, CorruptCheckpointError
 from .format.checksum import file_digest
 from .format.dtypes import SAFETENSORS_CODE
 from .format.metadata import StorageMetadata
-from .format.safetensors_file import parse_header
+from .format.safetensors_file import MAX_HEADER, parse_header
 from .knobs import KNOBS
 from .storage import open_storage
 
@@ -27,7 +27,6 @@ __all__ = ["VerifyReport", "verify", "verify_report"]
 
 log = logging.getLogger("shardsafe.verify")
 
-_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 
 @dataclass
@@ -87,10 +86,10 @@ def verify_report(
         raise CheckpointError(f"verify: threads must be at least 1, got {threads}")
     started = time.monotonic()
     storage = open_storage(dir)
-    from .checkpointer import _read_metadata
     from .dist import get_comm
+    from .engine.loader import read_metadata
 
-    meta: StorageMetadata = _read_metadata(storage, get_comm(no_dist=True))
+    meta: StorageMetadata = read_metadata(storage, get_comm(no_dist=True))
     v3 = meta.file_table is not None
     by_file: dict[str, list] = {}
     infos: dict[str, Any] = dict(meta.files or {})
@@ -146,8 +145,8 @@ def verify_report(
             head = bytearray(8)
             storage.read_into(file, 0, [memoryview(head)])
             n = int.from_bytes(head, "little")
-            if n > _MAX_HEADER:
-                raise ValueError(f"header length {n} exceeds the {_MAX_HEADER}-byte limit safetensors allows")
+            if n > MAX_HEADER:
+                raise ValueError(f"header length {n} exceeds the {MAX_HEADER}-byte limit safetensors allows")
             if info is not None and 8 + n > info.size:
                 raise ValueError(f"header length {n} runs past the file's size in the metadata ({info.size} bytes)")
             prefix = bytearray(8 + n)

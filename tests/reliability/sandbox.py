@@ -10,8 +10,8 @@ runs module-level functions in it, one call at a time. Each call:
   ``grace`` seconds later either (stuck in C) has its worker killed; both report ``hang``;
 - is watched by an audit hook (:func:`sys.addaudithook`): every path it opens, lists, renames,
   links or removes, resolved through symlinks, must lie under one of the call's ``roots``;
-  others are reported in ``outside`` (reading Python's own modules and ``/proc``, ``/sys``,
-  ``/dev`` is not counted).
+  others are reported in ``outside`` (reading Python's own modules and installed packages'
+  files, and ``/proc``, ``/sys``, ``/dev`` is not counted).
 
 A worker killed by a signal reports ``crashed``; the next call starts a new one.
 """
@@ -36,7 +36,7 @@ __all__ = ["CONTEXT", "Result", "Sandbox"]
 
 # forkserver children start in milliseconds with torch already imported (the same preload as tests/distributed.py)
 CONTEXT = mp.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardsafe"])
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify"])  # shardsafe imports its parts on first use
 
 _PATH_EVENTS = {
     "open": (0,),
@@ -98,12 +98,12 @@ def _serve(conn, memory_bytes: int) -> None:
         if not temp.startswith(d)
     ))
 
-    def allowed(event: str, real: str) -> bool:
+    def allowed(event: str, real: str, read_only: bool = False) -> bool:
         if any(real == r.rstrip(os.sep) or real.startswith(r) for r in state["roots"]):
             return True
         if real.startswith(("/proc/", "/sys/", "/dev/")):
             return True
-        if event in ("os.listdir", "os.scandir") or real.endswith(_MODULE_FILES):  # imports
+        if event in ("os.listdir", "os.scandir") or real.endswith(_MODULE_FILES) or read_only:  # imports, package metadata
             return (real + os.sep).startswith(module_dirs)
         return False
 
@@ -121,7 +121,9 @@ def _serve(conn, memory_bytes: int) -> None:
                 flags = args[2] if event == "open" and len(args) > 2 else None
                 if isinstance(flags, int) and flags & os.O_NOFOLLOW:  # a final symlink is refused, not followed
                     real = os.path.join(os.path.realpath(os.path.dirname(raw) or "."), os.path.basename(raw))
-                if not allowed(event, real):
+                # a read of an installed package's own files (entry points, metadata, a zipped stdlib) is an import's
+                read_only = event == "open" and isinstance(flags, int) and flags & os.O_ACCMODE == os.O_RDONLY
+                if not allowed(event, real, read_only):
                     seen = f"{event} {raw}" + (f" -> {real}" if real != os.path.abspath(raw) else "")
                     state["outside"].append(seen)
         except Exception:  # noqa: BLE001 - a hook must not break the call it watches

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import CheckpointError, DtypeMismatchError, ShapeMismatchError, ShardingError
 from ..format.dtypes import dtype_name
-from ..planning.geometry import Piece, chunk_bounds
+from ..format.geometry import Piece, chunk_bounds
 from .flat_sharded import flat_sharding
 from .sharded_tensor import ShardedTensor, view_as
 
@@ -276,6 +276,7 @@ def dtensor_intervals(
 ) -> list[list[tuple[int, int]]]:
     """For each tensor dim, the global ``(start, length)`` intervals this rank's local tensor
     holds, in local order. Placements apply left to right over mesh dims, as DTensor does."""
+    _dtensor()  # the placement classes, when a caller reaches here before any DTensor was described
     dims: list[list[tuple[int, int]]] = [[(0, n)] for n in shape]
     for mesh_dim, p in enumerate(placements):
         n, c = mesh_shape[mesh_dim], coord[mesh_dim]

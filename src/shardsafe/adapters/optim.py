@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from ..engine.objects import decode_objects
 from ..errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError, ShardingError
 from ..format.metadata import StorageMetadata
+from ..format.values import decode_objects
+from .keys import CLASS_KEY, GROUPS_KEY, STATE_PREFIX
 from .modules import ParamInfo
 
 __all__ = [
@@ -32,9 +33,6 @@ __all__ = [
     "dotted_param_groups", "stored_param_groups",
 ]
 
-STATE_PREFIX = "optim.state."
-GROUPS_KEY = "optim.param_groups"
-CLASS_KEY = "optim.class"
 
 
 def _class_name(optim: torch.optim.Optimizer) -> str:

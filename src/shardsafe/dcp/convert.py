@@ -11,8 +11,6 @@ interrupted conversion leaves no checkpoint at ``dst`` (and a committed one ther
 from __future__ import annotations
 
 import logging
-import sys
-import time
 from collections.abc import Callable
 from math import prod
 from typing import Any
@@ -20,14 +18,16 @@ from typing import Any
 import torch
 
 from .._args import check_bool
+from .._progress import conversion_progress
+from ..adapters.keys import LIGHTNING_META_KEY
 from ..engine.commit import committed_version
-from ..engine.objects import encode_tagged
 from ..engine.rewrite import Chunk, write_checkpoint
 from ..errors import CheckpointExistsError, CorruptCheckpointError, ShardingError
 from ..format.dtypes import dtype_name
+from ..format.geometry import check_tiling
 from ..format.metadata import StorageMetadata
+from ..format.values import encode_tagged
 from ..knobs import KNOBS, Knobs
-from ..planning.geometry import check_tiling
 from ..storage import Location, open_storage
 from . import dcp_format
 
@@ -101,7 +101,7 @@ def convert(
         meta = write_checkpoint(
             out, files, {key: (dtype, tuple(shape)) for key, (dtype, shape, _) in ckpt.tensors.items()}, load,
             objects=as_json, pickled=pickled, listed=listed, seen=seen, overwrite=overwrite, knobs=knobs,
-            report=_progress(progress, total, out.url), where=ckpt.where,
+            report=conversion_progress(progress, total, out.url), where=ckpt.where,
         )
     finally:
         source.close()
@@ -112,42 +112,17 @@ def convert(
 
 
 def _lightning_meta_key(values: dict[str, Any], where: str) -> str:
-    from ..lightning._checkpoint import META_KEY
-
-    if META_KEY in values:
+    if LIGHTNING_META_KEY in values:
         raise CorruptCheckpointError(
-            f"{where}: holds a value {META_KEY!r} and a Lightning {dcp_format.LIGHTNING_META_FILE} beside it, which would be "
+            f"{where}: holds a value {LIGHTNING_META_KEY!r} and a Lightning {dcp_format.LIGHTNING_META_FILE} beside it, which would be "
             f"stored under the same key; remove one of them before converting"
         )
-    return META_KEY
+    return LIGHTNING_META_KEY
 
 
 def _encode_lightning_meta(meta: dict[str, Any], url: str, allow_pickle: bool) -> Any:
     """Lightning's checkpoint dict as the JSON value ``shardsafe.lightning.read_meta`` decodes."""
-    from ..lightning._checkpoint import _plain
-    from ..megatron._values import encode_value
+    from ..format.values import encode_value, plain_mappings
 
     where = f"{url.rstrip('/')}/{dcp_format.LIGHTNING_META_FILE}"
-    return encode_value(_plain(meta), where=where, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")
-
-
-def _progress(progress: bool | Callable[[int, int], None] | None, total: int, url: str) -> Callable[[int], None]:
-    if callable(progress):
-        return lambda done: progress(done, total)
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return lambda done: None
-    state = {"last": 0.0}
-
-    def show(done: int) -> None:
-        now = time.monotonic()
-        if done < total and now - state["last"] < 0.5:
-            return
-        state["last"] = now
-        pct = 100.0 * done / total if total else 100.0
-        end = "\n" if done >= total else "\r"
-        print(f"converting to {url}: {done / 1e6:.1f} / {total / 1e6:.1f} MB ({pct:.0f}%)", end=end, file=sys.stderr, flush=True)
-
-    return show
-
+    return encode_value(plain_mappings(meta), where=where, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")

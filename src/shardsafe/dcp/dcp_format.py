@@ -22,11 +22,19 @@ import importlib
 import io
 import pickle
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, PickleNotAllowedError, UnsafePickleError
+from ..engine.bounds import StoredFile, read_range
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    PickleNotAllowedError,
+    UnsafePickleError,
+)
 from ..storage import Storage
 from ..storage.base import DCP_METADATA, check_name
 
@@ -36,6 +44,8 @@ __all__ = [
     "DcpItem",
     "SafeUnpickler",
     "check_dcp_metadata",
+    "check_files_hold",
+    "checkpoint_error_of",
     "load_dcp_metadata",
     "load_tensor",
     "load_value",
@@ -131,13 +141,13 @@ class SafeUnpickler(pickle.Unpickler):
         raise UnsafePickleError(f"{self.where}: the pickle uses persistent ids, which DCP metadata never does; refusing it")
 
 
-def load_dcp_metadata(raw: bytes, *, where: str) -> Any:
-    """DCP's ``Metadata`` from the bytes of ``.metadata``, unpickled with :class:`SafeUnpickler`
-    and checked (raises ``UnsafePickleError`` or ``CorruptCheckpointError``)."""
+def load_dcp_metadata(raw: bytes | StoredFile, *, where: str) -> Any:
+    """DCP's ``Metadata`` from ``.metadata`` (its bytes, or a stream of them), unpickled with
+    :class:`SafeUnpickler` and checked (raises ``UnsafePickleError`` or ``CorruptCheckpointError``)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        meta = SafeUnpickler(io.BytesIO(raw), where=where).load()
+        meta = SafeUnpickler(io.BytesIO(raw) if isinstance(raw, bytes | bytearray) else raw, where=where).load()  # type: ignore[arg-type]
     except UnsafePickleError:
         raise
     except CorruptCheckpointError:
@@ -175,16 +185,14 @@ def read_dcp_checkpoint(storage: Storage, raw: bytes | None = None) -> DcpCheckp
     """Read and check the DCP checkpoint at ``storage`` (``raw``: the bytes of ``.metadata``, if read already)."""
     where = f"{storage.url.rstrip('/')}/{DCP_METADATA}"
     if raw is None:
-        try:
-            raw = storage.read(DCP_METADATA)
-        except FileNotFoundError:
-            listed = storage.list()
+        listed = storage.list()
+        if DCP_METADATA not in listed:
             state = f"it holds {len(listed)} file(s) but" if listed else "it is empty or missing, and"
             hint = "; it is a shardsafe checkpoint already" if "metadata.json" in listed else ""
             raise IncompleteCheckpointError(
                 f"{storage.url}: not a torch.distributed.checkpoint checkpoint: {state} has no {DCP_METADATA}{hint}"
-            ) from None
-    return check_dcp_metadata(load_dcp_metadata(raw, where=where), where=where)
+            )
+    return check_dcp_metadata(load_dcp_metadata(StoredFile(storage, DCP_METADATA) if raw is None else raw, where=where), where=where)
 
 
 def check_dcp_metadata(meta: Any, *, where: str) -> DcpCheckpoint:
@@ -206,6 +214,7 @@ def check_dcp_metadata(meta: Any, *, where: str) -> DcpCheckpoint:
             raise bad(f"a storage_data key is a {type(index).__name__}, not a MetadataIndex")
         offset = None if index.offset is None else _ints(index.offset, bad, f"key {index.fqn!r}: offset")
         locations[(index.fqn, offset)] = _location(index.fqn, info, bad)
+    _check_disjoint(locations.values(), bad)
     tensors: dict[str, Any] = {}
     values: dict[str, DcpItem] = {}
     for key, md in sdm.items():
@@ -234,9 +243,48 @@ def check_dcp_metadata(meta: Any, *, where: str) -> DcpCheckpoint:
             found = locations.get((key, off))
             if found is None:
                 raise bad(f"key {key!r}: the chunk at {list(off)} has no stored bytes in storage_data")
+            if found.length < prod(lens) * dtype.itemsize:  # torch.save stores a tensor's bytes uncompressed
+                raise bad(
+                    f"key {key!r}: the chunk at {list(off)} of size {list(lens)} holds {prod(lens) * dtype.itemsize} bytes of "
+                    f"{dtype}, but its stored item ({found.file} bytes [{found.offset}, {found.offset + found.length})) is shorter"
+                )
             chunks.append((off, lens, found))
         tensors[key] = (dtype, shape, chunks)
     return DcpCheckpoint(meta, tensors, values, where)
+
+
+def _check_disjoint(items: Any, bad) -> None:
+    """Stored items of one file must not share bytes (DCP writes them one after another): then
+    the items of a file are never more bytes than the file holds, whatever the lengths say."""
+    by_file: dict[str, list[DcpItem]] = {}
+    for it in set(items):
+        if it.length:
+            by_file.setdefault(it.file, []).append(it)
+    for file, its in by_file.items():
+        its.sort(key=lambda it: it.offset)
+        for a, b in zip(its, its[1:]):
+            if b.offset < a.offset + a.length:
+                raise bad(
+                    f"items {a.key!r} (bytes [{a.offset}, {a.offset + a.length})) and {b.key!r} (bytes [{b.offset}, "
+                    f"{b.offset + b.length})) of {file} overlap"
+                )
+
+
+def check_files_hold(storage: Storage, ckpt: DcpCheckpoint) -> None:
+    """``CorruptCheckpointError`` (truncated, or missing) unless every data file is as long as
+    the items stored in it say: one 1-byte read per file. With :func:`check_dcp_metadata`'s
+    checks (items of a file disjoint, each at least its chunk's bytes), this bounds what the
+    metadata's shapes can make a reader allocate by what the files hold."""
+    ends: dict[str, DcpItem] = {}
+    for it in [*ckpt.values.values(), *(item for _, _, chunks in ckpt.tensors.values() for _, _, item in chunks)]:
+        if it.length and it.offset + it.length > (ends[it.file].offset + ends[it.file].length if it.file in ends else 0):
+            ends[it.file] = it
+    probe = memoryview(bytearray(1))
+    for file, it in sorted(ends.items()):
+        try:
+            storage.read_into(file, it.offset + it.length - 1, [probe])
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{ckpt.where}: key {it.key!r}: {e}") from None
 
 
 def _ints(v: Any, bad, what: str) -> tuple[int, ...]:
@@ -269,11 +317,9 @@ def _location(key: str, info: Any, bad) -> DcpItem:
 
 
 def read_item(storage: Storage, item: DcpItem) -> bytearray:
-    """The stored bytes of one item (``CorruptCheckpointError`` if its file is shorter)."""
-    buf = bytearray(item.length)
-    if item.length:
-        storage.read_into(item.file, item.offset, [memoryview(buf)])
-    return buf
+    """The stored bytes of one item (``CorruptCheckpointError`` if its file is shorter, found
+    before memory for the item is allocated)."""
+    return read_range(storage, item.file, item.offset, item.length)
 
 
 def load_tensor(buf: bytearray, item: DcpItem, dtype: torch.dtype, sizes: tuple[int, ...], where: str) -> torch.Tensor:
@@ -317,6 +363,21 @@ def load_value(buf: bytearray, item: DcpItem, where: str, *, allow_pickle: bool)
         raise CorruptCheckpointError(f"{name}: cannot read the stored value: {type(e).__name__}: {str(e)[:300]}") from None
 
 
+def checkpoint_error_of(e: BaseException, where: str) -> CheckpointError:
+    """The :class:`CheckpointError` for torch's ``CheckpointException`` (a ``BaseException``
+    that torch.distributed.checkpoint raises for what failed on any rank): the error a rank
+    raised, when it was shardsafe's, else a ``CorruptCheckpointError`` naming each rank's cause.
+    Called where shardsafe's own API runs DCP's load machinery, so that only its hierarchy escapes."""
+    failures = getattr(e, "failures", None) or {}
+    causes = {rank: getattr(f, "exception", f) for rank, f in failures.items()}
+    ours = [c for c in causes.values() if isinstance(c, CheckpointError)]
+    if ours and len(ours) == len(causes):
+        return ours[0]
+    detail = {rank: f"{type(c).__name__}: {str(c)[:300]}" for rank, c in sorted(causes.items())}
+    first = next(iter(detail.values()), f"{type(e).__name__}: {str(e)[:300]}")
+    return CorruptCheckpointError(f"{where}: torch.distributed.checkpoint could not read it: {first}", rank_errors=detail)
+
+
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's sharded save: the rest of the checkpoint dict, torch.save'd beside the DCP files
 
 
@@ -327,12 +388,10 @@ def read_lightning_meta(storage: Storage, *, allow_pickle: bool, opt_in: str) ->
     ending with ``opt_in``: how the caller opts in) for objects the safe loader refuses;
     ``CorruptCheckpointError`` for a file that cannot be read or holds no dict."""
     where = f"{storage.url.rstrip('/')}/{LIGHTNING_META_FILE}"
-    try:
-        raw = storage.read(LIGHTNING_META_FILE)
-    except FileNotFoundError:
+    if LIGHTNING_META_FILE not in storage.list():
         return None
     try:
-        value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=not allow_pickle)
+        value = torch.load(StoredFile(storage, LIGHTNING_META_FILE), map_location="cpu", weights_only=not allow_pickle)  # streamed
     except Exception as e:  # noqa: BLE001 - torch's safe unpickler raises UnpicklingError, or others for a damaged file
         if allow_pickle or "weights_only" not in str(e):
             raise CorruptCheckpointError(f"{where}: cannot be read: {type(e).__name__}: {str(e)[:300]}") from None

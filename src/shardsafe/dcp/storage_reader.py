@@ -8,7 +8,7 @@ checkpoint (written by ``Checkpointer``, ``save_model_and_optim_state`` or
 shardsafe checkpoints: every stored chunk is shown to DCP's planner as boxes. A box chunk is one
 DCP chunk; a flattened-range chunk (FSDP1 flat parameters, distributed optimizers) is the
 row-major slice of a box, which is exactly a few boxes (at most ``2 * ndim - 1``, see
-:func:`shardsafe.planning.geometry.flat_segments`), each contiguous in the file: each is one DCP
+:func:`shardsafe.format.geometry.flat_segments`), each contiguous in the file: each is one DCP
 chunk. Every read item DCP plans is then a box copy out of one of them, run by shardsafe's reader:
 in place into the target where it can, widened to whole checksum blocks, every block checked.
 Non-tensor values are shown under their own keys and, for containers stored whole under one key
@@ -47,7 +47,8 @@ from torch.futures import Future
 from .._args import check_bool
 from ..adapters import LocalTensor
 from ..engine.background import wait_for_location
-from ..engine.objects import decode_objects
+from ..engine.file_index import bind_files
+from ..engine.foreign import missing_metadata_error
 from ..engine.reader import Reader
 from ..errors import (
     CheckpointError,
@@ -55,10 +56,11 @@ from ..errors import (
     ForeignCheckpointError,
     IncompleteCheckpointError,
     ShapeMismatchError,
+    StorageError,
 )
-from ..foreign import missing_metadata_error
 from ..format.dtypes import dtype_name
 from ..format.metadata import METADATA_FILENAME, StorageMetadata
+from ..format.values import decode_objects
 from ..knobs import KNOBS, Knobs
 from ..planning.read_plan import ReadItem as OurReadItem
 from ..planning.read_plan import StoredIndex
@@ -111,12 +113,14 @@ class StorageReader(Located, _DcpStorageReader):
         except FileNotFoundError:
             raw = None
         if raw is not None:
-            meta = StorageMetadata.from_json(raw, where=f"{storage.url.rstrip('/')}/{METADATA_FILENAME}").bind(storage)
+            meta = bind_files(StorageMetadata.from_json(raw, where=f"{storage.url.rstrip('/')}/{METADATA_FILENAME}"), storage)
             self._ours = _OurCheckpoint(meta)
             return self._ours.dcp_metadata(storage.url, self.load_id)
         try:
-            raw = storage.read(DCP_METADATA)
-        except FileNotFoundError:
+            listed = storage.list()
+        except StorageError:  # the location is a file (a model.safetensors named as a checkpoint)
+            listed = []
+        if DCP_METADATA not in listed:
             foreign = missing_metadata_error(storage, METADATA_FILENAME)  # a Hugging Face model, a Megatron run's root
             if isinstance(foreign, ForeignCheckpointError):
                 raise foreign from None
@@ -125,8 +129,8 @@ class StorageReader(Located, _DcpStorageReader):
             raise IncompleteCheckpointError(
                 f"{storage.url}: not a committed checkpoint: {state} has neither {METADATA_FILENAME} (shardsafe) nor "
                 f"{DCP_METADATA} (torch.distributed.checkpoint)"
-            ) from None
-        self._dcp = dcp_format.read_dcp_checkpoint(storage, raw)
+            )
+        self._dcp = dcp_format.read_dcp_checkpoint(storage)  # .metadata streamed to the unpickler
         meta = self._dcp.metadata
         meta.storage_meta = StorageMeta(checkpoint_id=storage.url, load_id=self.load_id)
         return meta

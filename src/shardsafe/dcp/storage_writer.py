@@ -47,15 +47,15 @@ from torch.futures import Future
 from .._args import check_bool
 from ..engine.buffers import WriteBehind, byte_view
 from ..engine.commit import CommitUnknownError, committed_version, put_metadata, sweep
-from ..engine.objects import encode_tagged, merge_rank_objects
 from ..errors import CheckpointError, CheckpointExistsError, DtypeMismatchError, ShapeMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
 from ..format.chunk_table import ChunkTable
 from ..format.dtypes import SAFETENSORS_CODE, dtype_name
+from ..format.geometry import check_tiling
 from ..format.metadata import ChecksumConfig, DataFile, StorageMetadata
 from ..format.metadata import TensorStorageMetadata as OurTensorMetadata
+from ..format.values import encode_tagged, merge_rank_objects
 from ..knobs import KNOBS, Knobs
-from ..planning.geometry import check_tiling
 from ..planning.save_plan import data_file_name, file_layout
 from ..storage import Location
 from ..storage.base import DCP_METADATA

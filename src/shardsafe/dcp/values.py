@@ -3,7 +3,7 @@
 DCP hands a storage writer each non-tensor leaf of the (flattened) state dict as the bytes of
 ``torch.save(value)``. shardsafe stores values as JSON (or, where the caller opted in, pickled):
 :func:`value_of` gets the value back without running foreign code, and
-:func:`~shardsafe.engine.objects.encode_objects` decides how it is stored.
+:func:`~shardsafe.format.values.encode_objects` decides how it is stored.
 
 Loading, DCP asks for the leaves of its *target* state dict by dotted key
 (``optim.param_groups.0.lr``), where a shardsafe checkpoint written by ``Checkpointer`` or
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..engine.objects import TAG
 from ..errors import CorruptCheckpointError, PickleNotAllowedError
+from ..format.values import TAG
 
 __all__ = ["dcp_leaves", "get_path", "torch_saved", "value_of"]
 

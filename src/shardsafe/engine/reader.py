@@ -31,9 +31,9 @@ import torch
 from ..adapters import LocalTensor
 from ..errors import CorruptCheckpointError
 from ..format.checksum import UNCHECKED
+from ..format.geometry import row_major_strides
 from ..format.metadata import TensorStorageMetadata
 from ..knobs import Knobs
-from ..planning.geometry import row_major_strides
 from ..planning.read_plan import ReadItem, StoredIndex, plan_reads
 from ..storage import Storage
 from .buffers import Scratch, byte_view, can_read_into
@@ -84,13 +84,6 @@ def _forget_shared_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_shared_after_fork)
 
 
-def _is_local(storage: Storage) -> bool:
-    """A read from ``storage`` is a copy out of the page cache or off a local disk (CPU work)."""
-    from ..storage.local import LocalStorage
-
-    return isinstance(storage, LocalStorage)
-
-
 def reader_threads(storage: Storage, knobs: Knobs) -> int:
     """``knobs.io_threads``; but from local storage, where a read is a copy out of the page cache
     or off a local disk (CPU work), no more than this rank's share of the CPUs it may run on: their
@@ -98,7 +91,7 @@ def reader_threads(storage: Storage, knobs: Knobs) -> int:
     it). Object stores keep every thread: their reads wait on the network. Four ranks with four
     threads each on two cores spent 15-20% more CPU on a load than with one
     (``benchmarks/bench_megatron.py``)."""
-    if not _is_local(storage):
+    if storage.local_root is None:
         return knobs.io_threads
     try:
         ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -116,10 +109,10 @@ class Reader:
         self.threads = reader_threads(storage, knobs) if num_threads is None else num_threads
         self.budget = max(knobs.read_buffer_bytes // max(self.threads, 1), 1 << 20)
         # a store may ask for less over-reading than local disk (object stores: bytes are billed)
-        self.gap = min(knobs.coalesce_gap_bytes, getattr(storage, "coalesce_gap_bytes", knobs.coalesce_gap_bytes))
+        self.gap = knobs.coalesce_gap_bytes if storage.coalesce_gap_bytes is None else min(knobs.coalesce_gap_bytes, storage.coalesce_gap_bytes)
         self.block = max(knobs.read_block_bytes, 1 << 16)
         # object stores: one ranged request per in-place piece; local storage: cache-sized steps
-        self.hot = _HOT_BYTES if _is_local(storage) else None
+        self.hot = _HOT_BYTES if storage.local_root is not None else None
         self.pool, self.scratch = _shared(self.threads, self.budget)
         self.bytes_read = 0  # bytes fetched from storage, over-reads of blocks and coalesced gaps included
         self._count_lock = threading.Lock()
@@ -400,12 +393,7 @@ class Reader:
                 (item.src_start + (first + sum(j * s for j, s in zip(idx, strides))) * itemsize, mv[i * run_bytes : (i + 1) * run_bytes])
                 for i, idx in enumerate(_ndindex(outer))
             ]
-            read_spans = getattr(self.storage, "read_spans_into", None)  # object stores: all runs in flight at once
-            if read_spans is not None:
-                read_spans(item.file, spans)
-            else:
-                for offset, buf in spans:
-                    self.storage.read_into(item.file, offset, [buf])
+            self.storage.read_spans_into(item.file, spans)  # object stores: all runs in flight at once
             src = raw.view(dst.dtype).view(item.lengths)
             self._count(needed)
         with torch.no_grad():

@@ -27,6 +27,7 @@ from ..planning.save_plan import data_file_name, file_layout
 from ..storage import Storage
 from .buffers import WriteBehind, byte_view
 from .commit import CommitUnknownError, put_metadata, sweep
+from .file_index import bind_files
 
 __all__ = ["Chunk", "write_checkpoint"]
 
@@ -44,6 +45,15 @@ class Chunk(NamedTuple):
     lengths: Shape
     flat: tuple[int, int] | None
     source: Any
+
+
+class _Row(NamedTuple):
+    """A chunk as its tensor's chunk table holds it: which file, its box and flattened range."""
+
+    file: int
+    offsets: Shape
+    lengths: Shape
+    flat: tuple[int, int] | None
 
 
 def write_checkpoint(
@@ -76,7 +86,7 @@ def write_checkpoint(
         for i, chunks in enumerate(files)
         if chunks
     ]
-    rows: dict[str, list[tuple[int, Shape, Shape, tuple[int, int] | None]]] = {key: [] for key in tensors}
+    rows: dict[str, list[_Row]] = {key: [] for key in tensors}
     table: list[DataFile] = []
     written: list[str] = []
     done = 0
@@ -96,7 +106,7 @@ def write_checkpoint(
                     digest_blocks(data, cblock, digests)
                     w.write(data)
                     del t, data
-                    rows[c.key].append((number, c.offsets, c.lengths, c.flat))
+                    rows[c.key].append(_Row(number, c.offsets, c.lengths, c.flat))
                     done += end - begin
                     report(done)
                 sums = struct.pack(f"<{len(digests)}Q", *digests)
@@ -106,7 +116,7 @@ def write_checkpoint(
             )
         stored = {}
         for key, (dtype, shape) in tensors.items():
-            whole = len(rows[key]) == 1 and rows[key][0][3] is None and tuple(rows[key][0][2]) == tuple(shape)
+            whole = len(rows[key]) == 1 and rows[key][0].flat is None and tuple(rows[key][0].lengths) == tuple(shape)
             stored[key] = TensorStorageMetadata.from_table(
                 shape, dtype_name(dtype, key=key), not whole, ChunkTable.from_chunks(rows[key], len(shape))
             )
@@ -128,4 +138,4 @@ def write_checkpoint(
                 log.warning("%s: removing a data file of a failed conversion failed: %s", out.url, e)
         raise
     sweep(out, listed, keep=meta.data_files())
-    return meta.bind(out)
+    return bind_files(meta, out)

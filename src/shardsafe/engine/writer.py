@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .._gc import paused_gc
@@ -36,6 +37,7 @@ from ..dist import Comm, background_comm
 from ..errors import CheckpointError, CheckpointExistsError, CollectiveError, RankMismatchError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
 from ..format.metadata import METADATA_FILENAME, ChecksumConfig, DataFile, StorageMetadata, TensorStorageMetadata, built
+from ..format.values import encode_objects, merge_rank_objects
 from ..knobs import Knobs
 from ..planning.save_plan import (
     GlobalPlan,
@@ -53,7 +55,7 @@ from . import plan_cache
 from .background import AsyncSave, before_save, run_in_background
 from .buffers import WriteBehind
 from .commit import CommitUnknownError, committed_version, put_metadata, sweep
-from .objects import encode_objects, merge_rank_objects
+from .file_index import bind_files
 from .staging import RINGS, RingAborted, StagingRing, Unit, UnitQueue, aligned, live_units, stage, stage_pieces
 
 __all__ = ["async_save_state", "save_state"]
@@ -238,9 +240,22 @@ class _Prepared(NamedTuple):
     mine: RankWritePlan
     local: dict[str, LocalTensor]
     save_id: str
-    state: dict[str, Any]  # the coordinator's: listed files, committed version, plan, objects
+    state: _CoordinatorState
     knobs: Knobs
     error: BaseException | None = None  # laying out this rank's file failed: its write raises it, so every rank does
+
+
+@dataclass(slots=True)
+class _CoordinatorState:
+    """What a save's coordinator learns in its phases: planning fills the first five, the commit
+    the last (every rank holds one; the others' stay empty but for ``started``)."""
+
+    started: float
+    listed: list[str] | None = None  # the location's files before this save wrote any (see commit.sweep)
+    seen: str | None = None  # the committed version this save found, for the conditional commit
+    objects: tuple[dict[str, Any], dict[str, str]] | None = None  # every rank's values, merged
+    plan: GlobalPlan | None = None
+    meta: StorageMetadata | None = None  # set once committed: from then on the save has succeeded
 
 
 def _unit_bytes(knobs: Knobs, capacity: int | None) -> int:
@@ -278,7 +293,7 @@ def _prepare(
         desc = None if same else mine_desc["desc"]
         return _RankDescription(desc, mine_desc["digest"], cached.rank_plan_id, mine_desc["objects"], storage.url)
 
-    state: dict[str, Any] = {"started": time.monotonic()}
+    state = _CoordinatorState(started=time.monotonic())
 
     def plan(gathered: list[_RankDescription]) -> list[tuple[RankAssignment | None, str, str] | None]:
         """Each rank's assignment, the save id and the plan's id; ``None`` as the assignment:
@@ -299,26 +314,24 @@ def _prepare(
                 plan_cache.count("resend")
                 return [None] * comm.world_size
         descs = [g.desc if g.desc is not None else cached.descs[r] for r, g in enumerate(gathered)]  # type: ignore[index]
-        state["listed"] = storage.list()  # before this save writes anything: see commit.sweep
-        state["seen"] = committed_version(storage)
-        if not save_overwrite and state["seen"] is not None:
+        state.listed = storage.list()  # before this save writes anything: see commit.sweep
+        state.seen = committed_version(storage)
+        if not save_overwrite and state.seen is not None:
             raise CheckpointExistsError(
                 f"{storage.url}: a checkpoint is already committed there; pass save_overwrite=True to replace it"
             )
         save_id = uuid.uuid4().hex[:12]
-        state["objects"] = merge_rank_objects([g.objects for g in gathered])
+        state.objects = merge_rank_objects([g.objects for g in gathered])
         _check_tensor_or_value(descs, gathered)
         if hit:
             plan_cache.count("hit")
-            state["plan"] = cached.plan
-            state["save_id"] = save_id
+            state.plan = cached.plan
             return [(None, save_id, cached.plan_id)] * comm.world_size  # type: ignore[list-item]
         plan_cache.count("miss")
         with paused_gc():
-            state["plan"] = plan_global(descs, split_bytes=knobs.replica_split_bytes)
-        plan_id = plan_cache.store_coordinator(key, digests, descs, state["plan"])
-        state["save_id"] = save_id
-        return [(a, save_id, plan_id) for a in state["plan"].assignments]
+            state.plan = plan_global(descs, split_bytes=knobs.replica_split_bytes)
+        plan_id = plan_cache.store_coordinator(key, digests, descs, state.plan)
+        return [(a, save_id, plan_id) for a in state.plan.assignments]
 
     gathered = comm.gather(lambda: describe(False))
     got = comm.scatter(lambda: plan(gathered))  # type: ignore[arg-type]
@@ -377,23 +390,23 @@ def _finish(
         try:
             comm.raise_failures(written)
             with paused_gc():
-                meta = _build_metadata(state["plan"], written, state["objects"], knobs.checksum_block_bytes, save_id)  # type: ignore[arg-type]
+                meta = _build_metadata(state.plan, written, state.objects, knobs.checksum_block_bytes, save_id)  # type: ignore[arg-type]
             raw = meta.to_json()
-            put_metadata(storage, raw, seen=state["seen"], save_overwrite=save_overwrite)
+            put_metadata(storage, raw, seen=state.seen, save_overwrite=save_overwrite)
         except CommitUnknownError:
             raise  # the data files stay: a metadata.json naming them may have been committed
         except BaseException:
             _remove_save_files(storage, save_id, comm.world_size)  # leave nothing of a failed save behind
             raise
-        state["meta"] = meta  # committed: from here on the save has succeeded, whatever else fails
-        _log_commit(storage.url, meta, comm.world_size, time.monotonic() - state["started"])
-        sweep(storage, state["listed"], keep=meta.data_files())
+        state.meta = meta  # committed: from here on the save has succeeded, whatever else fails
+        _log_commit(storage.url, meta, comm.world_size, time.monotonic() - state.started)
+        sweep(storage, state.listed, keep=meta.data_files())
         return raw if want_meta else b""
 
     try:
         raw = comm.broadcast(commit)
     except CollectiveError as e:
-        if "meta" in state:  # the coordinator committed: the save succeeded, whoever did not hear of it
+        if state.meta is not None:  # the coordinator committed: the save succeeded, whoever did not hear of it
             log.warning("%s: checkpoint committed, but telling the other ranks failed: %s", storage.url, e)
             raw = b""
         elif comm.is_coordinator:
@@ -406,11 +419,11 @@ def _finish(
                 f"{storage.url.rstrip('/')}/{METADATA_FILENAME} exists and names data files ending in -{save_id}.safetensors "
                 "(it is written last, atomically); otherwise nothing of this save was committed"
             ) from e
-    meta = state.get("meta")
+    meta = state.meta
     if meta is None and want_meta:
-        meta = StorageMetadata.from_own_json(raw, where=f"{storage.url}/{METADATA_FILENAME}").bind(storage)
+        meta = bind_files(StorageMetadata.from_own_json(raw, where=f"{storage.url}/{METADATA_FILENAME}"), storage)
     elif meta is not None:
-        meta.bind(storage)
+        bind_files(meta, storage)
     files = [f"{storage.url.rstrip('/')}/{mine.file}"] if mine.file else []
     return meta, files
 

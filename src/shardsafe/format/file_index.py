@@ -12,27 +12,18 @@ header and that entry of only the files it needs, and checks each against the di
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError
 from .checksum import ALGORITHMS, file_digest
-from .safetensors_file import parse_header
+from .safetensors_file import MAX_HEADER, parse_header
 
-if TYPE_CHECKING:
-    from ..storage import Storage
-    from .metadata import StorageMetadata
-
-__all__ = ["SUMS_ENTRY", "FileIndex", "Resolver", "entry_name"]
+__all__ = ["MAX_HEADER", "SUMS_ENTRY", "FileIndex", "FileSource", "entry_name"]
 
 SUMS_ENTRY = "__shardsafe_checksums__"
-MAX_HEADER = 100_000_000
-"""safetensors' own limit on a file's JSON header."""
-_PROBE_ABOVE = 1 << 20  # reads longer than this check that the file has their last byte first
 _RESERVED = ("__metadata__", SUMS_ENTRY)
 
 
@@ -56,22 +47,27 @@ class FileIndex:
 
     __slots__ = ("digests", "entries", "name")
 
-    def __init__(self, name: str, entries: dict[str, tuple[int, int, int]], digests: np.ndarray) -> None:
+    def __init__(self, name: str, entries: dict[str, tuple[int, int, int, Any]], digests: np.ndarray) -> None:
         self.name = name
-        self.entries = entries
+        self.entries = entries  # name -> (begin, end, first digest, the dtype its header gives)
         self.digests = digests
 
-    @classmethod
-    def read(cls, storage: Storage, info: Any, *, block_bytes: int, algorithm: str) -> FileIndex:
-        """Read and check the header and the checksum entry of the file ``info`` describes."""
-        name = info.name
-        where = f"{storage.url.rstrip('/')}/{name}"
+    @staticmethod
+    def check_header_size(info: Any, where: str) -> None:
+        """The header length ``info`` (a data-file row of the metadata) gives fits the file and
+        safetensors' limit: checked before the header is read."""
         if info.header_bytes > min(info.size, 8 + MAX_HEADER):
             raise CorruptCheckpointError(
                 f"{where}: metadata.json says the header is {info.header_bytes} bytes, more than the file's {info.size} bytes "
                 f"or the {MAX_HEADER}-byte limit of a safetensors header; the metadata is damaged"
             )
-        head = _read(storage, name, 0, info.header_bytes)
+
+    @staticmethod
+    def parse_header(
+        head: bytes | bytearray, info: Any, *, block_bytes: int, algorithm: str, where: str
+    ) -> tuple[dict[str, tuple[int, int, int, Any]], int, int]:
+        """Check a data file's header bytes against ``info`` and parse it: ``(entries, begin,
+        end)``, with the byte range of the checksum entry still to be read."""
         got = file_digest(head)
         if got != info.header:
             raise CorruptCheckpointError(
@@ -91,10 +87,10 @@ class FileIndex:
             offs = spec.get("data_offsets") if isinstance(spec, dict) else None
             if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs) and 0 <= offs[0] <= offs[1]):
                 raise CorruptCheckpointError(f"{where}: entry {entry!r} has no valid data_offsets")
-            spans.append((start + offs[0], start + offs[1], entry))
+            spans.append((start + offs[0], start + offs[1], entry, spec.get("dtype")))
         spans.sort()
         pos = start
-        for begin, end, entry in spans:
+        for begin, end, entry, _ in spans:
             if begin != pos:
                 raise CorruptCheckpointError(f"{where}: entry {entry!r} starts at byte {begin}, expected {pos}: entries must be back to back")
             pos = end
@@ -103,27 +99,34 @@ class FileIndex:
         if not spans or spans[-1][2] != SUMS_ENTRY:
             raise CorruptCheckpointError(f"{where}: the last entry must be {SUMS_ENTRY!r}, the checksums of the others")
         size = ALGORITHMS[algorithm].size
-        entries: dict[str, tuple[int, int, int]] = {}
+        entries: dict[str, tuple[int, int, int, Any]] = {}
         blocks = 0
-        for begin, end, entry in spans[:-1]:
-            entries[entry] = (begin, end, blocks)
+        for begin, end, entry, dtype in spans[:-1]:
+            entries[entry] = (begin, end, blocks, dtype)
             blocks += -(-(end - begin) // block_bytes)
-        s_begin, s_end, _ = spans[-1]
+        s_begin, s_end, _, _ = spans[-1]
         if s_end - s_begin != blocks * size:
             raise CorruptCheckpointError(
                 f"{where}: {SUMS_ENTRY!r} holds {s_end - s_begin} bytes, expected {blocks * size} for {blocks} block(s)"
             )
-        raw = _read(storage, name, s_begin, s_end - s_begin)
-        got = file_digest(raw)
+        return entries, s_begin, s_end
+
+    @classmethod
+    def from_parts(cls, name: str, entries: dict[str, tuple[int, int, int, Any]], sums: bytes | bytearray, info: Any, *, algorithm: str, where: str) -> FileIndex:
+        """The index of a file from its parsed header and the bytes of its checksum entry, checked
+        against ``info``."""
+        got = file_digest(sums)
         if got != info.sums:
             raise CorruptCheckpointError(
                 f"{where}: checksum mismatch in {SUMS_ENTRY!r}: metadata.json says {info.sums}, its bytes hash to {got}; "
                 "the file is damaged"
             )
-        return cls(name, entries, np.frombuffer(bytes(raw), dtype="<u8" if size == 8 else "<u4"))
+        return cls(name, entries, np.frombuffer(bytes(sums), dtype="<u8" if ALGORITHMS[algorithm].size == 8 else "<u4"))
 
-    def locate(self, entry: str, nbytes: int, *, key: str) -> tuple[int, int, int]:
-        """``(begin, end, first digest)`` of ``entry``, which must hold ``nbytes`` bytes."""
+    def locate(self, entry: str, nbytes: int, *, key: str, dtype: str) -> tuple[int, int, int]:
+        """``(begin, end, first digest)`` of ``entry``, which must hold ``nbytes`` bytes of
+        ``dtype`` (its safetensors code, as the metadata gives it): every read path finds its
+        chunks here, so none returns bytes that the header says are of another dtype."""
         got = self.entries.get(entry)
         if got is None:
             raise CorruptCheckpointError(
@@ -133,54 +136,18 @@ class FileIndex:
             raise CorruptCheckpointError(
                 f"{self.name}: tensor {key!r}: entry {entry!r} holds {got[1] - got[0]} bytes, the chunk needs {nbytes}"
             )
-        return got
+        if got[3] != dtype:
+            raise CorruptCheckpointError(
+                f"{self.name}: tensor {key!r}: entry {entry!r} holds dtype {str(got[3])[:20]} by the file's header, "
+                f"metadata.json says {dtype}; the metadata or the file is damaged, or they are not of one checkpoint"
+            )
+        return got[:3]
 
 
-def _read(storage: Storage, name: str, offset: int, nbytes: int) -> bytearray:
-    """Bytes ``[offset, offset + nbytes)`` of file ``name``. The lengths come from metadata and
-    headers that may be hostile, so a long read first reads its last byte: a file that does not
-    have the bytes fails (``read_into`` raises ``CorruptCheckpointError`` naming it) before
-    memory for them is allocated."""
-    if nbytes > _PROBE_ABOVE:
-        storage.read_into(name, offset + nbytes - 1, [memoryview(bytearray(1))])
-    buf = bytearray(nbytes)
-    storage.read_into(name, offset, [memoryview(buf)])
-    return buf
-
-
-class Resolver:
-    """The :class:`FileIndex` of each v3 data file a caller needs, read once (thread-safe)."""
-
-    def __init__(self, storage: Storage, meta: StorageMetadata) -> None:
-        self.storage = storage
-        self.meta = meta
-        self._files: dict[int, FileIndex] = {}
-        self._lock = threading.Lock()
+class FileSource(Protocol):
+    """Where a v3 metadata document finds its data files' indexes (the engine reads them from the
+    checkpoint's storage: :func:`shardsafe.engine.file_index.bind_files`)."""
 
     def file(self, index: int) -> FileIndex:
-        got = self._files.get(index)
-        if got is None:
-            cfg = self.meta.checksum
-            assert cfg is not None and self.meta.file_table is not None
-            got = FileIndex.read(self.storage, self.meta.file_table[index], block_bytes=cfg.block_bytes, algorithm=cfg.algorithm)
-            with self._lock:
-                got = self._files.setdefault(index, got)
-        return got
-
-    def prefetch(self, keys: dict[int, str], threads: int) -> None:
-        """Read the files ``keys`` names (file index -> a key stored in it, for errors) not read
-        yet, ``threads`` at a time."""
-        todo = sorted(keys.keys() - self._files.keys())
-
-        def one(i: int) -> FileIndex:
-            try:
-                return self.file(i)
-            except CorruptCheckpointError as e:
-                raise type(e)(f"key {keys[i]!r}: {e}") from None
-
-        if len(todo) <= 1 or threads <= 1:
-            for i in todo:
-                one(i)
-            return
-        with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="shardsafe-headers") as pool:
-            list(pool.map(one, todo))
+        """The index of the file at ``index`` in the metadata's ``file_table``."""
+        ...

@@ -25,8 +25,9 @@ from ..errors import CorruptCheckpointError, DtypeMismatchError, ForeignCheckpoi
 from . import strict_json
 from .checksum import ALGORITHMS, ChunkSums, file_digest
 from .chunk_table import ChunkTable
-from .dtypes import torch_dtype
-from .file_index import Resolver, entry_name
+from .dtypes import SAFETENSORS_CODE, torch_dtype
+from .file_index import FileSource, entry_name
+from .geometry import check_tiling, flat_segments, row_major_strides
 
 __all__ = [
     "ChecksumConfig",
@@ -39,6 +40,8 @@ __all__ = [
     "TensorStorageMetadata",
     "is_data_file_name",
     "keys_under",
+    "megatron_advice",
+    "sealed_data_files",
 ]
 
 FORMAT_VERSION = 3
@@ -47,6 +50,9 @@ _SELF_CHECKSUM = re.compile(rb',"metadata_checksum":"([0-9a-f]{16})"\}\Z')
 MAX_SIZE = 1 << 62
 """Bound on every size and position in the metadata: dims, element counts, bytes, byte offsets."""
 MAX_NDIM = 64
+MAX_CHECKED_CHUNKS = 1 << 16
+"""Format v3: chunks of tables that do not tile their tensor box by box, checked one by one, per document."""
+_SMALL_TABLE = 32  # up to this many chunks, a table that is no grid is checked one by one (its error names the pieces)
 _MIN_ENTRY_BYTES = 26  # the shortest header entry, '"a":{"data_offsets":[0,0]}'
 _DATA_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
 
@@ -100,9 +106,7 @@ class TensorShardSpec(BaseModel):
 
     def get_flattened_offsets(self, full_shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
         """``[start, stop)`` ranges of the full tensor's row-major flattening this chunk covers."""
-        from ..planning.geometry import flat_segments
-
-        strides = _row_major_strides(full_shape)
+        strides = row_major_strides(full_shape)
         lo, hi = self.flattened_range if self.flattened_range is not None else (0, prod(self.local_shape))
         for rel, lengths, _ in flat_segments(self.local_shape, lo, hi):
             # a segment is a box spanning whole trailing dims after its first non-unit dim
@@ -139,13 +143,6 @@ def _brief(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
 
-
-def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return strides[::-1]
 
 
 def _box_rows(start, lengths, full_shape, strides) -> Iterator[tuple[int, int]]:
@@ -298,6 +295,7 @@ class TensorStorageMetadata(BaseModel):
         assert table is not None
         resolver = doc._bound(key)
         itemsize = self.torch_dtype.itemsize
+        code = SAFETENSORS_CODE[self.torch_dtype]
         for i in indices:
             f, off, lens, flat = table.chunk(i)
             try:
@@ -306,7 +304,7 @@ class TensorStorageMetadata(BaseModel):
                 raise type(e)(f"key {key!r}: {e}") from None
             name = entry_name(key, self.shape, off, lens, flat)
             numel = flat[1] - flat[0] if flat is not None else prod(lens)
-            begin, end, _ = index.locate(name, numel * itemsize, key=key)
+            begin, end, _ = index.locate(name, numel * itemsize, key=key, dtype=code)
             spec = built(
                 TensorShardSpec, {"global_offset": off, "local_shape": lens, "flattened_range": flat, "name": name, "byte_range": (begin, end)}
             )
@@ -322,7 +320,7 @@ class TensorStorageMetadata(BaseModel):
         if private["_table"] is not None and cfg is not None:
             doc, key = private["_doc"], private["_key"]
             index = doc._bound(key).file(doc._file_number(file))
-            first = index.locate(spec.name, nbytes, key=key)[2]
+            first = index.locate(spec.name, nbytes, key=key, dtype=SAFETENSORS_CODE[self.torch_dtype])[2]
             blocks = -(-nbytes // cfg.block_bytes)
             return ChunkSums(cfg.algorithm, cfg.block_bytes, nbytes, tuple(index.digests[first : first + blocks].tolist()), where)
         if cfg is None:
@@ -405,7 +403,7 @@ class StorageMetadata(BaseModel):
     pickled_objects: dict[str, str] = {}
     """Non-tensor values that needed pickle (base64), present only if the saver opted in."""
 
-    _resolver: Resolver | None = PrivateAttr(default=None)
+    _resolver: FileSource | None = PrivateAttr(default=None)
     _file_numbers: dict[str, int] | None = PrivateAttr(default=None)
 
     def __eq__(self, other: object) -> bool:  # the fields: not whether, or where, it is bound
@@ -419,26 +417,26 @@ class StorageMetadata(BaseModel):
             t._doc = self
             t._key = key
 
-    def bind(self, storage: Any) -> StorageMetadata:
-        """Format v3: read chunk locations and checksums from the data files of ``storage``
-        (the checkpoint this metadata came from), as they are needed. Returns ``self``.
-        :meth:`shardsafe.Checkpointer.get_metadata` returns bound metadata."""
-        if self.file_table is not None:
-            self._resolver = Resolver(storage, self)
+    def attach_files(self, files: FileSource) -> StorageMetadata:
+        """Format v3: where chunk locations and checksums are read from, as they are needed (the
+        engine attaches its reader of the checkpoint's data files,
+        :func:`shardsafe.engine.file_index.bind_files`; :meth:`shardsafe.Checkpointer.get_metadata`
+        returns metadata bound so). Returns ``self``."""
+        self._resolver = files
         return self
 
     @property
-    def resolver(self) -> Resolver | None:
+    def resolver(self) -> Any:
         """Format v3, once bound: the reader of the data files' headers."""
         return self._resolver
 
-    def _bound(self, key: str) -> Resolver:
+    def _bound(self, key: str) -> FileSource:
         resolver = self.__pydantic_private__["_resolver"]
         if resolver is None:
             raise CorruptCheckpointError(
                 f"tensor {key!r}: format v3 metadata keeps the chunks' byte ranges and checksums in the data files' headers; "
-                "this StorageMetadata is not bound to its checkpoint (call meta.bind(storage), or use "
-                "Checkpointer.get_metadata, which does)"
+                "this StorageMetadata is not bound to its checkpoint (call shardsafe.engine.file_index.bind_files(meta, storage), "
+                "or use Checkpointer.get_metadata, which does)"
             )
         return resolver
 
@@ -465,8 +463,6 @@ class StorageMetadata(BaseModel):
         except ValueError as e:
             raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
         if isinstance(doc, dict) and "format_version" not in doc and "sharded_backend" in doc:
-            from ..foreign import megatron_advice
-
             src = where[: -len(METADATA_FILENAME) - 1] if where.endswith("/" + METADATA_FILENAME) else where
             raise ForeignCheckpointError(
                 f"{where}: this is Megatron-Core's dist_checkpointing config (sharded_backend "
@@ -563,8 +559,6 @@ class StorageMetadata(BaseModel):
     def _check_v3(self, where: str) -> None:
         """Format v3: ``checksum`` and ``file_table``, no ``files``; each tensor a chunk table
         (decoded here) whose chunks tile it; file names valid and distinct."""
-        from ..planning.geometry import check_tiling
-
         for name in ("checksum", "file_table"):
             if getattr(self, name) is None:
                 raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: format_version 3 metadata lacks the {name!r} field")
@@ -588,6 +582,7 @@ class StorageMetadata(BaseModel):
         # every chunk is an entry of its file's header, and an entry takes at least _MIN_ENTRY_BYTES
         # of it: this bounds what the tables may decode to by what the headers hold
         budget = sum(f.header_bytes for f in self.file_table) // _MIN_ENTRY_BYTES
+        checked_left = MAX_CHECKED_CHUNKS
         checked: dict[tuple[tuple[int, ...], str], ChunkTable] = {}
         for key, t in self.tensors.items():
             if t.table is None or t.shard_spec_per_file is not None:
@@ -602,7 +597,16 @@ class StorageMetadata(BaseModel):
             table = checked.get(same)
             if table is None:
                 table = ChunkTable.from_json(t.table, shape=t.shape, nfiles=len(names), what=f"{where}: tensor {key!r}", max_count=budget)
-                if not table.grid_cells(t.shape):  # the rule is cheap for a grid; anything else, chunk by chunk
+                # cheap for a grid, vectorized for any layout that tiles box by box (all a save
+                # writes); anything else chunk by chunk, for at most MAX_CHECKED_CHUNKS per document
+                if not table.grid_cells(t.shape) and not (len(table) > _SMALL_TABLE and table.tiles_box_by_box(t.shape)):
+                    if len(table) > checked_left:
+                        raise CorruptCheckpointError(
+                            f"{where}: tensor {key!r}: its {len(table)} chunks do not tile its shape {list(t.shape)} box by box, "
+                            f"and at most {MAX_CHECKED_CHUNKS} chunks of a document ({checked_left} left) are checked one by one "
+                            "(docs/format.md, bounds); the metadata is damaged"
+                        )
+                    checked_left -= len(table)
                     pieces = [table.chunk(i)[1:] for i in range(len(table))]
                     try:
                         check_tiling(key, t.shape, pieces)
@@ -660,8 +664,6 @@ class StorageMetadata(BaseModel):
         """Everything the schema cannot say: keys, sizes bounded by :data:`MAX_SIZE` (so that no
         size overflows or is allocated unchecked), byte ranges that match their chunks and do not
         share bytes within a file, data file names, and chunks that tile each tensor."""
-        from ..planning.geometry import check_tiling
-
         both = sorted((set(self.objects) | set(self.pickled_objects)) & set(self.tensors))
         both += sorted(set(self.objects) & set(self.pickled_objects))
         if both:
@@ -727,6 +729,28 @@ def _layout_key(shape: tuple[int, ...], table: dict) -> tuple[tuple[int, ...], s
     return shape, json.dumps(table, separators=(",", ":"))
 
 
+def sealed_data_files(raw: bytes, *, where: str) -> set[str]:
+    """The data files ``metadata.json`` (``raw``, named ``where`` in errors) names, once it is
+    known to be the document a save wrote: formats v2 and v3 check its own checksum
+    (``metadata_checksum``), one pass of XXH3 over its bytes, and read no tensor or chunk; format
+    v1, which has none, is validated whole. Raises ``CorruptCheckpointError`` naming what is wrong.
+    What a step manager counts as committed; loading it checks everything else."""
+    try:
+        doc = strict_json.loads(raw)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if type(version) is not int or version < 2 or version > FORMAT_VERSION:
+        return StorageMetadata.from_json(raw, where=where).data_files()  # v1, or the errors from_json words
+    _check_self_checksum(raw, doc, where)
+    table, files = doc.get("file_table"), doc.get("files")
+    if version >= 3 and isinstance(table, list) and all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in table):
+        return {f["name"] for f in table}
+    if version == 2 and isinstance(files, dict):
+        return set(files)
+    return StorageMetadata.from_json(raw, where=where).data_files()  # sealed but malformed: from_json says how
+
+
 def _check_self_checksum(raw: bytes, doc: dict, where: str) -> None:
     """Format v2: the document ends with ``,"metadata_checksum":"<16 hex>"}``, the XXH3-64 of
     every byte before that member. Removes the member from ``doc``."""
@@ -751,8 +775,20 @@ def _check_shape(where: str, key: str, shape: tuple[int, ...], itemsize: int) ->
     for n in shape:
         if n < 0:
             raise CorruptCheckpointError(f"{where}: tensor {key!r} has shape {list(shape)}: a negative dimension")
+        if n >= MAX_SIZE:  # every dimension, not only the product: a zero elsewhere makes any product 0
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} has shape {list(shape)}: a dimension of 2**62 or more; refusing it"
+            )
         nbytes *= n
         if nbytes >= MAX_SIZE:  # n < MAX_SIZE too, as itemsize >= 1, so no intermediate product is huge
             raise CorruptCheckpointError(
                 f"{where}: tensor {key!r} of shape {list(shape)} would hold 2**62 bytes or more; refusing it"
             )
+
+
+def megatron_advice(src: str) -> str:
+    """How a Megatron-Core ``torch_dist`` or ``zarr`` checkpoint at ``src`` converts or loads."""
+    return (
+        f"convert it with shardsafe.megatron.convert_megatron({src!r}, dst) or `shardsafe convert {src} DST --from megatron`, "
+        f"or load it as it is with shardsafe.megatron.load(sharded_state_dict, {src!r})"
+    )

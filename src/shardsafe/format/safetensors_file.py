@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 from . import strict_json
 
-__all__ = ["FileEntry", "FileLayout", "layout_file", "parse_header"]
+__all__ = ["MAX_HEADER", "FileEntry", "FileLayout", "layout_file", "parse_header"]
 
 _ALIGN = 8
+MAX_HEADER = 100_000_000
+"""safetensors' own limit on a file's JSON header, which every reader of a header enforces."""
 
 
 @dataclass(frozen=True, slots=True)

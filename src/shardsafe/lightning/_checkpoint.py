@@ -28,15 +28,17 @@ from torch import nn
 
 from .._progress import progress_callback
 from ..adapters import describe_state
-from ..api import _load_state, model_and_optim_values
+from ..adapters.keys import LIGHTNING_META_KEY, MODEL_PREFIX, OPTIM_PREFIX
+from ..api import load_model_and_more, model_and_optim_values
 from ..checkpointer import Checkpointer
 from ..dist import get_comm
 from ..engine.bounds import check_files_hold
 from ..engine.consolidate import _Output
-from ..engine.objects import decode_objects
 from ..engine.reader import Reader
+from ..engine.writer import save_state
 from ..errors import CheckpointError, CorruptCheckpointError, MissingKeyError
 from ..format.metadata import StorageMetadata, keys_under
+from ..format.values import decode_objects, plain_mappings
 from ..knobs import KNOBS, Knobs
 from ..storage import Location, Storage, open_storage
 from ..storage.base import DCP_METADATA
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["META_KEY", "is_lightning_dcp_folder", "is_shardsafe_checkpoint", "load_checkpoint", "read_meta", "save_checkpoint"]
 
-META_KEY = "lightning.meta"
+META_KEY = LIGHTNING_META_KEY
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's loop state beside a DCP checkpoint (torch.save'd)
 log = logging.getLogger(__name__)
 
@@ -62,17 +64,6 @@ def is_shardsafe_checkpoint(path: Location) -> bool:
 def is_lightning_dcp_folder(path: Location) -> bool:
     """True when ``path`` is a folder Lightning's sharded save wrote (DCP files and ``meta.pt``)."""
     return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, DCP_METADATA))
-
-
-def _plain(value: Any) -> Any:
-    """Dict subclasses Lightning uses (``AttributeDict`` for hyper-parameters) as plain dicts."""
-    if isinstance(value, Mapping) and type(value) not in (dict, OrderedDict):
-        return {k: _plain(v) for k, v in value.items()}
-    if type(value) in (dict, OrderedDict):
-        return type(value)((k, _plain(v)) for k, v in value.items())
-    if type(value) in (list, tuple):
-        return type(value)(_plain(v) for v in value)
-    return value
 
 
 def _one_optimizer(optimizers: list[torch.optim.Optimizer], where: str) -> torch.optim.Optimizer | None:
@@ -97,17 +88,17 @@ def save_checkpoint(
     """Save ``module``, its optimizer and ``meta`` (the rest of the checkpoint dict) at ``path``;
     every rank calls it together. A checkpoint already there is replaced (Lightning's own
     behaviour for ``last.ckpt`` and the like): the old one stays loadable until the new one commits."""
-    from ..megatron._values import encode_value
+    from ..format.values import encode_value
 
     optim = _one_optimizer(optimizers, str(path))
     if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
         os.unlink(path)  # a single-file checkpoint of an earlier run there (Lightning's own strategy does the same)
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(path)
     state = model_and_optim_values(module, optim)
-    state[META_KEY] = encode_value(_plain(meta), where=f"{storage.url}: the checkpoint's {META_KEY!r}", allow_pickle=allow_pickle, opt_in=_OPT_IN)
-    comm = get_comm(process_group=process_group, call="shardsafe.lightning.save_checkpoint", timeout_s=ckpt.knobs.collective_timeout_s)
-    ckpt._save(storage, state, True, comm)
+    state[META_KEY] = encode_value(plain_mappings(meta), where=f"{storage.url}: the checkpoint's {META_KEY!r}", allow_pickle=allow_pickle, opt_in=_OPT_IN)
+    comm = get_comm(process_group=process_group, call="shardsafe.lightning.save_checkpoint", timeout_s=knobs.collective_timeout_s)
+    save_state(storage, state, save_overwrite=True, allow_pickle=False, comm=comm, knobs=knobs, want_meta=False)
 
 
 def load_checkpoint(
@@ -124,16 +115,16 @@ def load_checkpoint(
     world size, any sharding) and return the rest of the checkpoint dict; every rank calls it
     together. ``strict``: refuse parameters the checkpoint holds and the module lacks."""
     optim = _one_optimizer(optimizers, str(path))
-    ckpt = Checkpointer(knobs=knobs)
+    knobs = knobs or KNOBS
     storage = open_storage(path)
-    comm = get_comm(process_group=process_group, call="shardsafe.lightning.load_checkpoint", timeout_s=ckpt.knobs.collective_timeout_s)
+    comm = get_comm(process_group=process_group, call="shardsafe.lightning.load_checkpoint", timeout_s=knobs.collective_timeout_s)
     out: dict[str, Any] = {}
 
     def meta_target(meta: StorageMetadata) -> dict[str, Any]:  # every rank, inside the load's first check
         out.update(_decode_meta(meta, storage.url, allow_pickle))
         return {}
 
-    _load_state(ckpt, storage, comm, module, optim, validate=strict, more_targets=meta_target)
+    load_model_and_more(storage, comm, module, optim, knobs=knobs, validate=strict, more_targets=meta_target)
     return out
 
 
@@ -257,7 +248,7 @@ def _lightning_structure(storage: Storage, meta: StorageMetadata, allow_pickle: 
     ``optimizer_states`` (``[`` :func:`shardsafe.unshard_optim_state` ``]``, when an optimizer
     was saved), in that order."""
     from ..adapters.optim import stored_param_groups
-    from ..api import MODEL_PREFIX, optim_state_of
+    from ..api import optim_state_of
 
     result = _decode_meta(meta, storage.url, allow_pickle) if META_KEY in meta.objects else {}
     result["state_dict"] = _lazy_values(storage, meta, MODEL_PREFIX, allow_pickle)
@@ -269,7 +260,7 @@ def _lightning_structure(storage: Storage, meta: StorageMetadata, allow_pickle: 
             "or shardsafe.save_model_and_optim_state?"
         )
     if stored_param_groups(meta, storage.url) is not None:
-        result["optimizer_states"] = [optim_state_of(_lazy_values(storage, meta, "optim.", allow_pickle), storage.url)]
+        result["optimizer_states"] = [optim_state_of(_lazy_values(storage, meta, OPTIM_PREFIX, allow_pickle), storage.url)]
     return result
 
 
@@ -314,14 +305,18 @@ def _materialized(value: Any, fill: Callable[[LazyTensor, torch.Tensor], None]) 
 def _consolidate_lightning_dcp_folder(path: str, allow_pickle: bool) -> dict[str, Any]:
     import re
 
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from ..dcp import StorageReader
-    from ..dcp.dcp_format import read_lightning_meta
+    from ..dcp.dcp_format import checkpoint_error_of, read_lightning_meta
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=StorageReader(path, allow_pickle=allow_pickle), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    try:
+        _load_state_dict(state, storage_reader=StorageReader(path, allow_pickle=allow_pickle), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except CheckpointException as e:  # a BaseException: torch's wrapping of what a rank raised
+        raise checkpoint_error_of(e, path) from None
     opt_in = "pass allow_pickle=True to shardsafe.lightning.consolidate only if you trust this checkpoint"
     state.update(read_lightning_meta(open_storage(path), allow_pickle=allow_pickle, opt_in=opt_in) or {})
     if "state_dict" not in state and "model" in state:  # FSDPStrategy's and Fabric's name for the model

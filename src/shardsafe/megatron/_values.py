@@ -1,345 +1,42 @@
-"""Megatron's common state and ShardedObjects as JSON: a tagged encoding, no pickle by default.
-
-Megatron-Core writes these with ``torch.save`` (pickle). shardsafe.megatron stores them as JSON
-values in ``metadata.json``: plain JSON stays as it is, and the Python values training state
-holds that JSON lacks become a one-member-tagged object ``{"__shardsafe__": <tag>, ...}``:
-
-==============  =================================================================
-tag             value
-==============  =================================================================
-``tuple``       ``items``: the elements
-``list``        never: lists are JSON arrays
-``dict``        ``items``: ``[key, value]`` pairs (a dict with a key that is not a
-                string, or with the key ``__shardsafe__``)
-``odict``       ``items`` as for ``dict``: a ``collections.OrderedDict``
-``set``         ``items``, sorted by their JSON text (also ``frozenset``)
-``float``       ``v``: ``"nan"``, ``"inf"`` or ``"-inf"``
-``bytes``       ``b64`` (also ``bytearray``, and ``bytesio``: an ``io.BytesIO``)
-``namespace``   ``v``: the attributes, as a dict (``argparse.Namespace``)
-``enum``        ``class`` (``module:qualname``) and ``name`` of the member
-``dtype``       ``v``: ``"bfloat16"`` (a ``torch.dtype``)
-``size``        ``items``: a ``torch.Size``
-``device``      ``v``: ``"cuda:0"`` (a ``torch.device``)
-``tensor``      ``dtype``, ``shape``, ``b64`` of the little-endian elements (CPU on load)
-``ndarray``     ``dtype`` (numpy's name), ``shape``, ``b64``
-``numpy``       ``dtype``, ``b64``: a numpy scalar
-``pickle``      ``b64`` of a pickle: only with the caller's opt-in, on save and on load
-==============  =================================================================
-
-An enum is decoded only when its module is already imported (a checkpoint never makes the
-reader import a module). Tensors and arrays inline at most :data:`INLINE_BYTES` each: larger
-ones belong in a ``ShardedTensor``.
+"""Megatron's common state and ShardedObjects as JSON, through the one value codec
+(:mod:`shardsafe.format.values`), with Megatron's opt-in wording and its exception type: a value
+that cannot be stored (nested too deep, containing itself, too large to inline, an enum whose
+module is not imported) raises :class:`~shardsafe.megatron.core.CheckpointingException`;
+``PickleNotAllowedError`` and ``CorruptCheckpointError`` pass through as they are.
 """
 
 from __future__ import annotations
 
-import argparse
-import base64
-import enum
-import io
-import json
-import math
-import pickle
-import sys
-from collections import OrderedDict
 from typing import Any
 
-import numpy as np
-import torch
-
-from ..errors import CheckpointError, CorruptCheckpointError, PickleNotAllowedError
-from ..format.strict_json import MAX_DEPTH, nesting_exceeds
+from ..errors import CheckpointError
+from ..format import values
 from .core import CheckpointingException
 
-__all__ = ["INLINE_BYTES", "TAG", "decode_value", "encode_value"]
+__all__ = ["decode_value", "encode_value"]
 
-TAG = "__shardsafe__"
-INLINE_BYTES = 1 << 20
-"""Largest tensor or array stored inline in the JSON (per value)."""
-
-_SIMPLE = (type(None), bool, int, str)
-
-
-_MEGATRON_OPT_IN = (
+_SAVE_OPT_IN = (
     "wrap it in a LocalNonpersistentObject if it need not be saved, or opt in to pickle with "
     "sharded_strategy=shardsafe.megatron.strategies.ShardsafeSaveShardedStrategy(allow_pickle=True)"
 )
+_LOAD_OPT_IN = "sharded_strategy=shardsafe.megatron.strategies.ShardsafeLoadShardedStrategy(allow_pickle=True)"
 
 
-def encode_value(value: Any, *, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_OPT_IN) -> Any:
-    """``value`` as a JSON value (see the module docstring); ``where`` names it in errors.
-
-    Raises ``PickleNotAllowedError`` naming the key path of a part that has no JSON form,
-    unless ``allow_pickle``; ``opt_in`` ends its message (how the caller opts in to pickle).
-    """
-    out = _Encoder(where, allow_pickle, opt_in).encode(value, ())
-    if nesting_exceeds(out, MAX_DEPTH):
-        raise CheckpointingException(
-            f"{where}: nests lists, dicts and tuples too deep to store (at most {MAX_DEPTH} levels once encoded)"
-        )
-    return out
-
-
-_MEGATRON_LOAD_OPT_IN = "sharded_strategy=shardsafe.megatron.strategies.ShardsafeLoadShardedStrategy(allow_pickle=True)"
-
-
-def decode_value(value: Any, *, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_LOAD_OPT_IN) -> Any:
-    """The Python value :func:`encode_value` encoded; ``where`` names it in errors, ``opt_in`` says
-    how the caller opts in to unpickling a ``pickle`` tag."""
-    return _Decoder(where, allow_pickle, opt_in).decode(value, ())
-
-
-def _path(path: tuple) -> str:
-    return "".join(f"[{p!r}]" for p in path) or " (the value itself)"
-
-
-class _Encoder:
-    def __init__(self, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_OPT_IN) -> None:
-        self.where = where
-        self.allow_pickle = allow_pickle
-        self.opt_in = opt_in
-        self.active: set[int] = set()  # containers on the path being encoded: a cycle is an error
-
-    def encode(self, v: Any, path: tuple) -> Any:
-        t = type(v)
-        if t in _SIMPLE:
-            return v
-        if t is float:
-            return v if math.isfinite(v) else {TAG: "float", "v": repr(v)}
-        if isinstance(v, np.generic):
-            return self._numpy_scalar(v, path)
-        if isinstance(v, enum.Enum):
-            return {TAG: "enum", "class": f"{t.__module__}:{t.__qualname__}", "name": v.name}
-        if t in (list, tuple, dict, OrderedDict, set, frozenset, argparse.Namespace):
-            if id(v) in self.active:
-                raise CheckpointingException(f"{self.where}: the value at key path {_path(path)} contains itself")
-            self.active.add(id(v))
-            try:
-                return self._container(v, t, path)
-            finally:
-                self.active.discard(id(v))
-        if t in (bytes, bytearray):
-            return {TAG: "bytes", "b64": _b64(bytes(v))}
-        if t is io.BytesIO:
-            return {TAG: "bytesio", "b64": _b64(v.getvalue())}
-        if t is torch.dtype:
-            return {TAG: "dtype", "v": str(v).removeprefix("torch.")}
-        if t is torch.device:
-            return {TAG: "device", "v": str(v)}
-        if t is torch.Size:
-            return {TAG: "size", "items": list(v)}
-        if t is torch.Tensor or t is torch.nn.Parameter:
-            return self._tensor(v, path)
-        if t is np.ndarray and not v.dtype.hasobject and v.dtype.names is None:
-            return self._sized(path, v.nbytes, {TAG: "ndarray", "dtype": v.dtype.str, "shape": list(v.shape), "b64": _b64(np.ascontiguousarray(v).tobytes())})
-        return self._other(v, path)
-
-    def _container(self, v: Any, t: type, path: tuple) -> Any:
-        if t is list:
-            return [self.encode(x, path + (i,)) for i, x in enumerate(v)]
-        if t is dict and all(type(k) is str for k in v) and TAG not in v:
-            return {k: self.encode(x, path + (k,)) for k, x in v.items()}
-        if t in (dict, OrderedDict):
-            items = [[self.encode(k, path + ("<key>",)), self.encode(x, path + (k,))] for k, x in v.items()]
-            return {TAG: "dict" if t is dict else "odict", "items": items}
-        if t is tuple:
-            return {TAG: "tuple", "items": [self.encode(x, path + (i,)) for i, x in enumerate(v)]}
-        if t is argparse.Namespace:
-            return {TAG: "namespace", "v": self._container(vars(v), dict, path)}
-        items = [self.encode(x, path + ("<element>",)) for x in v]
-        items.sort(key=lambda x: json.dumps(x, sort_keys=True))
-        return {TAG: "set" if t is set else "frozenset", "items": items}
-
-    def _tensor(self, v: torch.Tensor, path: tuple) -> Any:
-        if v.layout != torch.strided or v.device.type == "meta":
-            return self._other(v, path)
-        data = v.detach().cpu().contiguous()
-        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
-        doc = {TAG: "tensor", "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape), "b64": _b64(raw)}
-        return self._sized(path, len(raw), doc)
-
-    def _numpy_scalar(self, v: np.generic, path: tuple) -> Any:
-        if v.dtype.hasobject:
-            return self._other(v, path)
-        return {TAG: "numpy", "dtype": v.dtype.str, "b64": _b64(v.tobytes())}
-
-    def _sized(self, path: tuple, nbytes: int, doc: dict) -> Any:
-        if nbytes > INLINE_BYTES:
-            raise CheckpointingException(
-                f"{self.where}: the {doc[TAG]} at key path {_path(path)} holds {nbytes} bytes; at most {INLINE_BYTES} are "
-                "stored inline with the common state and ShardedObjects. Wrap it in a ShardedTensor (rank 0's as the "
-                "main replica, replica_id=1 elsewhere) so that it is stored, checksummed, in the data files"
-            )
-        return doc
-
-    def _other(self, v: Any, path: tuple) -> Any:
-        t = type(v)
-        if self.allow_pickle:
-            try:
-                return {TAG: "pickle", "b64": _b64(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL))}
-            except Exception as e:  # noqa: BLE001 - any __reduce__ may raise anything
-                raise CheckpointingException(
-                    f"{self.where}: the {t.__module__}.{t.__qualname__} at key path {_path(path)} cannot be pickled: {e}"
-                ) from e
-        raise PickleNotAllowedError(
-            f"{self.where}: the value at key path {_path(path)} is a {t.__module__}.{t.__qualname__}, which shardsafe "
-            "does not store without pickle (it stores None, bool, int, float, str, list, dict, tuple, set, bytes, "
-            f"argparse.Namespace, enums, torch dtypes, devices and tensors, numpy scalars and arrays). Convert it, {self.opt_in}"
-        )
-
-
-def _b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode("ascii")
-
-
-class _Decoder:
-    def __init__(self, where: str, allow_pickle: bool, opt_in: str = _MEGATRON_LOAD_OPT_IN) -> None:
-        self.where = where
-        self.allow_pickle = allow_pickle
-        self.opt_in = opt_in
-
-    def bad(self, path: tuple, what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{self.where}: the stored value at key path {_path(path)} is invalid: {what}")
-
-    def decode(self, v: Any, path: tuple) -> Any:
-        t = type(v)
-        if t is list:
-            return [self.decode(x, path + (i,)) for i, x in enumerate(v)]
-        if t is not dict:
-            return v
-        if TAG not in v:
-            return {k: self.decode(x, path + (k,)) for k, x in v.items()}
-        tag = v[TAG]
-        method = getattr(self, f"_tag_{tag}", None) if isinstance(tag, str) else None
-        if method is None:
-            raise CorruptCheckpointError(
-                f"{self.where}: the stored value at key path {_path(path)} has the unknown tag {tag!r}; was it written "
-                "by a newer shardsafe? Upgrade shardsafe to read it"
-            )
-        try:
-            return method(v, path)
-        except CheckpointError:
+def encode_value(value: Any, *, where: str, allow_pickle: bool, opt_in: str = _SAVE_OPT_IN) -> Any:
+    """:func:`shardsafe.format.values.encode_value`, raising Megatron's exception type."""
+    try:
+        return values.encode_value(value, where=where, allow_pickle=allow_pickle, opt_in=opt_in)
+    except CheckpointError as e:
+        if type(e) is not CheckpointError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-            raise self.bad(path, f"{tag!r} value: {type(e).__name__}: {e}") from None
+        raise CheckpointingException(str(e)) from e.__cause__
 
-    def _items(self, v: dict, path: tuple) -> list:
-        items = v["items"]
-        if type(items) is not list:
-            raise self.bad(path, "'items' is not an array")
-        return items
 
-    def _pairs(self, v: dict, path: tuple) -> list[tuple[Any, Any]]:
-        out = []
-        for pair in self._items(v, path):
-            if type(pair) is not list or len(pair) != 2:
-                raise self.bad(path, "a dict item is not a [key, value] pair")
-            key = self.decode(pair[0], path + ("<key>",))
-            out.append((key, self.decode(pair[1], path + (key,))))
-        return out
-
-    def _tag_tuple(self, v: dict, path: tuple) -> tuple:
-        return tuple(self.decode(x, path + (i,)) for i, x in enumerate(self._items(v, path)))
-
-    def _tag_dict(self, v: dict, path: tuple) -> dict:
-        return dict(self._pairs(v, path))
-
-    def _tag_odict(self, v: dict, path: tuple) -> OrderedDict:
-        return OrderedDict(self._pairs(v, path))
-
-    def _tag_set(self, v: dict, path: tuple) -> set:
-        return {self.decode(x, path + ("<element>",)) for x in self._items(v, path)}
-
-    def _tag_frozenset(self, v: dict, path: tuple) -> frozenset:
-        return frozenset(self._tag_set(v, path))
-
-    def _tag_float(self, v: dict, path: tuple) -> float:
-        if v["v"] not in ("nan", "inf", "-inf"):
-            raise self.bad(path, f"float {v['v']!r} is not 'nan', 'inf' or '-inf'")
-        return float(v["v"])
-
-    def _tag_bytes(self, v: dict, path: tuple) -> bytes:
-        return base64.b64decode(v["b64"], validate=True)
-
-    def _tag_bytesio(self, v: dict, path: tuple) -> io.BytesIO:
-        return io.BytesIO(self._tag_bytes(v, path))
-
-    def _tag_namespace(self, v: dict, path: tuple) -> argparse.Namespace:
-        attrs = self.decode(v["v"], path)
-        if type(attrs) is not dict or not all(type(k) is str for k in attrs):
-            raise self.bad(path, "a namespace's attributes are not a dict with string keys")
-        return argparse.Namespace(**attrs)
-
-    def _tag_enum(self, v: dict, path: tuple) -> enum.Enum:
-        module, _, qualname = str(v["class"]).partition(":")
-        obj: Any = sys.modules.get(module)
-        if obj is None:
-            raise CheckpointingException(
-                f"{self.where}: the value at key path {_path(path)} is a member of the enum {module}.{qualname}, and "
-                f"module {module!r} is not imported; import it before loading (a checkpoint never imports modules)"
-            )
-        for part in qualname.split("."):
-            obj = getattr(obj, part, None)
-        if not (isinstance(obj, type) and issubclass(obj, enum.Enum)):
-            raise self.bad(path, f"{module}.{qualname} is not an enum class in this process")
-        try:
-            return obj[v["name"]]
-        except KeyError:
-            raise self.bad(path, f"enum {module}.{qualname} has no member {v['name']!r}") from None
-
-    def _tag_dtype(self, v: dict, path: tuple) -> torch.dtype:
-        dtype = getattr(torch, str(v["v"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise self.bad(path, f"{v['v']!r} is not a torch dtype")
-        return dtype
-
-    def _tag_size(self, v: dict, path: tuple) -> torch.Size:
-        return torch.Size(self._ints(self._items(v, path), path))
-
-    def _tag_device(self, v: dict, path: tuple) -> torch.device:
-        return torch.device(str(v["v"]))
-
-    def _tag_tensor(self, v: dict, path: tuple) -> torch.Tensor:
-        dtype = self._tag_dtype({"v": v["dtype"]}, path)
-        shape = self._ints(v["shape"], path)
-        raw = self._tag_bytes(v, path)
-        n = math.prod(shape)
-        if n * dtype.itemsize != len(raw):
-            raise self.bad(path, f"a tensor of shape {shape} and dtype {dtype} needs {n * dtype.itemsize} bytes, found {len(raw)}")
-        if not n:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-
-    def _tag_ndarray(self, v: dict, path: tuple) -> np.ndarray:
-        dtype = self._np_dtype(v["dtype"], path)
-        shape = self._ints(v["shape"], path)
-        raw = self._tag_bytes(v, path)
-        if math.prod(shape) * dtype.itemsize != len(raw):
-            raise self.bad(path, f"an array of shape {shape} and dtype {dtype} does not hold {len(raw)} bytes")
-        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
-
-    def _tag_numpy(self, v: dict, path: tuple) -> np.generic:
-        dtype = self._np_dtype(v["dtype"], path)
-        raw = self._tag_bytes(v, path)
-        if len(raw) != dtype.itemsize:
-            raise self.bad(path, f"a numpy {dtype} scalar needs {dtype.itemsize} bytes, found {len(raw)}")
-        return np.frombuffer(raw, dtype=dtype)[0]
-
-    def _tag_pickle(self, v: dict, path: tuple) -> Any:
-        if not self.allow_pickle:
-            raise PickleNotAllowedError(
-                f"{self.where}: the value at key path {_path(path)} was stored with pickle; loading it can run arbitrary "
-                f"code. Opt in only if you trust this checkpoint: {self.opt_in}"
-            )
-        return pickle.loads(self._tag_bytes(v, path))
-
-    def _np_dtype(self, name: Any, path: tuple) -> np.dtype:
-        dtype = np.dtype(str(name))
-        if dtype.hasobject:
-            raise self.bad(path, f"numpy dtype {name!r} holds Python objects")
-        return dtype
-
-    def _ints(self, xs: Any, path: tuple) -> list[int]:
-        if type(xs) is not list or not all(type(x) is int and x >= 0 for x in xs):
-            raise self.bad(path, f"shape {xs!r} is not a list of non-negative integers")
-        return xs
+def decode_value(value: Any, *, where: str, allow_pickle: bool, opt_in: str = _LOAD_OPT_IN) -> Any:
+    """:func:`shardsafe.format.values.decode_value`, raising Megatron's exception type."""
+    try:
+        return values.decode_value(value, where=where, allow_pickle=allow_pickle, opt_in=opt_in)
+    except CheckpointError as e:
+        if type(e) is not CheckpointError:
+            raise
+        raise CheckpointingException(str(e)) from e.__cause__

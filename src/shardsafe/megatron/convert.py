@@ -26,15 +26,15 @@ from math import prod
 from typing import Any
 
 from .._args import check_bool
+from .._progress import conversion_progress
 from ..dcp import dcp_format
-from ..dcp.convert import _progress
 from ..engine.commit import committed_version
 from ..engine.rewrite import Chunk, write_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, ShardingError
 from ..format.dtypes import dtype_name
+from ..format.geometry import check_tiling
 from ..format.metadata import StorageMetadata
 from ..knobs import KNOBS, Knobs
-from ..planning.geometry import check_tiling
 from ..storage import Location, Storage, open_storage
 from ._values import encode_value
 from .core import CONFIG_KEY, SHARDSAFE_BACKEND, CheckpointingConfig, CheckpointingException, maybe_load_config
@@ -128,7 +128,7 @@ def _convert(
         out, files, {key: (stored.torch_dtype, tuple(stored.shape)) for key, stored in view.tensors.items()},
         lambda c: view.load_chunk(source, c.key, c.source),
         objects=objects, pickled={}, listed=listed, seen=seen, overwrite=overwrite, knobs=knobs,
-        report=_progress(progress, total, out.url), where=view.where,
+        report=conversion_progress(progress, total, out.url), where=view.where,
     )
     out.close()
     tensors = meta.tensors

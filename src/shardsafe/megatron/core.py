@@ -16,7 +16,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from ..engine.bounds import read_limited
 from ..errors import CheckpointError, IncompleteCheckpointError
+from ..format import strict_json
 from ..storage import Location, Storage, open_storage
 
 __all__ = [
@@ -136,12 +138,12 @@ def maybe_load_config(checkpoint_dir: Location) -> CheckpointingConfig | None:
         return None
     with opened(checkpoint_dir) as storage:
         try:
-            raw = storage.read(CONFIG_FNAME)
+            raw = read_limited(storage, CONFIG_FNAME)
         except FileNotFoundError:
             return None
     try:
-        doc = json.loads(raw)
-    except ValueError:
+        doc = strict_json.loads(raw)
+    except ValueError:  # not JSON, or nested too deep: no config
         return None
     return config_from_document(doc)
 

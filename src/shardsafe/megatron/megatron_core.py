@@ -18,7 +18,6 @@ This module imports megatron-core; ``import shardsafe.megatron`` never does.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict
@@ -32,6 +31,9 @@ from megatron.core.dist_checkpointing import validation as mval
 from megatron.core.dist_checkpointing.strategies import base as mbase
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest as MegatronAsyncRequest
 
+from ..errors import CheckpointError
+from ..format import strict_json
+from ..storage.local import read_nofollow
 from .core import CONFIG_FNAME, SHARDSAFE_BACKEND, config_from_document
 from .dict_utils import dict_list_map_outplace, nested_values
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
@@ -146,14 +148,13 @@ def _shardsafe_document(checkpoint_dir: Any) -> dict | None:
     if not checkpoint_dir:
         return None
     try:
-        with open(os.path.join(checkpoint_dir, CONFIG_FNAME), "rb") as f:
-            raw = f.read()
-    except OSError:
+        raw = read_nofollow(os.path.join(checkpoint_dir, CONFIG_FNAME))
+    except (OSError, CheckpointError):
         return None
     if b'"format_version"' not in raw:
         return None
     try:
-        doc = json.loads(raw)
+        doc = strict_json.loads(raw)
     except ValueError:
         return None
     return doc if isinstance(doc, dict) and "format_version" in doc else None

@@ -18,7 +18,7 @@ import torch
 
 from ..dist import get_comm
 from ..errors import ShardingError
-from ..planning.geometry import check_tiling, flat_segments
+from ..format.geometry import check_tiling, flat_segments
 from .core import CheckpointingException
 from .dict_utils import extract_matching_values, nested_values
 from .mapping import (

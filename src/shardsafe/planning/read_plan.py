@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from math import prod
 
 from ..format.checksum import ChunkSums
+from ..format.geometry import Piece, Shape, flat_segments, intersect
 from ..format.metadata import TensorStorageMetadata
-from .geometry import Piece, Shape, flat_segments, intersect
 
 __all__ = ["ReadItem", "StoredIndex", "plan_reads"]
 

@@ -36,8 +36,8 @@ from ..format.checksum import file_digest
 from ..format.chunk_table import ChunkTable
 from ..format.dtypes import SAFETENSORS_CODE, torch_dtype
 from ..format.file_index import SUMS_ENTRY, entry_name
+from ..format.geometry import Piece, Shape, check_tiling, chunk_bounds
 from ..format.safetensors_file import FileEntry, layout_file
-from .geometry import Piece, Shape, check_tiling, chunk_bounds
 
 __all__ = [
     "GlobalPlan", "RankAssignment", "RankDescription", "RankWritePlan", "SavePlan", "TensorDesc", "TensorPlan",
@@ -223,7 +223,11 @@ def plan_global(descs: list[RankDescription], *, split_bytes: int) -> GlobalPlan
                     holders.setdefault(piece, []).append((rank, idx))
         check_tiling(jc.keys[0], jc.shape, list(holders))
         nonempty = [(geom, owners, n) for geom, owners in holders.items() if (n := _numel(geom))]
-        sharded.append(not (len(nonempty) == 1 and nonempty[0][0][1] == jc.shape and nonempty[0][0][2] is None))
+        if len(nonempty) == 1:
+            (_, lengths, flat), _, _ = nonempty[0]
+            sharded.append(not (lengths == jc.shape and flat is None))
+        else:
+            sharded.append(True)
         itemsizes = [torch_dtype(facts[key][0]).itemsize for key in jc.keys]
         all_items = sum(itemsizes)
         rows = []

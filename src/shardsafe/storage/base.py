@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 import re
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ..errors import StorageError
 
-__all__ = ["Directory", "Location", "Storage", "Writer", "check_local_path", "check_name", "open_storage", "url_scheme"]
+__all__ = ["STORAGE_METHODS", "URL_SCHEME", "Directory", "Location", "Storage", "Writer", "check_local_path", "check_name", "url_scheme"]
 
 
 class Writer(Protocol):
@@ -31,6 +31,15 @@ class Writer(Protocol):
 
 class Storage(Protocol):
     url: str
+    """Where the files are, for messages (a path or a URL)."""
+    local_root: str | None
+    """The local directory holding the files, when a read is a copy out of the page cache or off a
+    local disk (CPU work, which readers size their threads and steps for, and which a reader of
+    another format may open or map directly); None for object stores and memory."""
+    coalesce_gap_bytes: int | None
+    """The most bytes a reader should read over to join two ranges into one request, where the
+    backend asks for fewer than the reader's own knob (object stores bill bytes); None: no limit
+    of its own."""
 
     def write_file(self, name: str) -> AbstractContextManager[Writer]:
         """Stream a new file. On normal exit it is durable (fsynced); on error it is removed."""
@@ -52,6 +61,11 @@ class Storage(Protocol):
         Raises ``CorruptCheckpointError`` if the file ends first, ``StorageError`` on I/O error.
         """
 
+    def read_spans_into(self, name: str, spans: list[tuple[int, memoryview]]) -> None:
+        """Fill each buffer with the bytes of the file at its offset, none merged; an object store
+        fetches them concurrently (many small reads of one file, such as a strided box's rows).
+        Errors as for ``read_into``."""
+
     def read(self, name: str) -> bytes:
         """The whole file; ``FileNotFoundError`` if it does not exist."""
 
@@ -66,7 +80,8 @@ class Storage(Protocol):
         """Remove a file; a missing file is not an error."""
 
     def close(self) -> None:
-        """Release open handles; the storage may be used again afterwards."""
+        """Release open handles (a reader releases those its reads opened when it is done); the
+        storage may be used again afterwards."""
 
 
 @runtime_checkable
@@ -86,14 +101,14 @@ class Directory(Storage, Protocol):
         ``StorageError`` naming them."""
 
 
-_SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)", re.DOTALL)  # fullmatch: a trailing newline is part of the path
+URL_SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)", re.DOTALL)  # fullmatch: a trailing newline is part of the path
 _ONE_SLASH_URL = re.compile(r"^([a-z][a-z0-9+.-]*):/", re.IGNORECASE)  # "s3:/bucket": a URL missing a slash
-_STORAGE_METHODS = ("write_file", "put_atomic", "read_into", "read", "list", "delete", "close")
+STORAGE_METHODS = ("write_file", "put_atomic", "read_into", "read_spans_into", "read", "list", "delete", "close")
 
 
 def url_scheme(location: str) -> str | None:
     """The lowercased scheme of a ``scheme://...`` URL, or None for a plain path."""
-    m = _SCHEME.fullmatch(location)
+    m = URL_SCHEME.fullmatch(location)
     return m.group(1).lower() if m else None
 
 
@@ -124,46 +139,3 @@ def check_name(name: str) -> str:
 
 Location = str | os.PathLike[str] | Storage
 """Where a checkpoint lives: a path, a URL, or a ``Storage`` opened with options."""
-
-
-def open_storage(location: Location, **options: Any) -> Storage:
-    """The backend for a checkpoint location.
-
-    ``location`` is a local path, ``file://``, ``memory://``, an object-store URL
-    (``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://container/prefix``), or a
-    ``Storage`` already opened, which is returned as it is. ``options`` are the fields of
-    :class:`~shardsafe.storage.ObjectStoreOptions` (``endpoint``, ``region``, ``profile``,
-    ``credentials``, ...), for object-store URLs only. A local path that looks like a URL with
-    one slash (``s3:/bucket/x``) is refused: it would create a local ``s3:`` directory.
-    """
-    if not isinstance(location, (str, os.PathLike)):
-        if not all(callable(getattr(location, m, None)) for m in _STORAGE_METHODS):
-            raise TypeError(
-                f"open_storage: argument 'location' must be a path, a URL or a Storage, got {type(location).__name__}"
-            )
-        if options:
-            raise TypeError("open_storage: options apply to a URL, not to a Storage already opened")
-        return location
-    loc = os.fspath(location)
-    m = _SCHEME.fullmatch(loc)
-    scheme = m.group(1).lower() if m else "file"
-    from .cloud_config import OBJECT_SCHEMES, ObjectStoreOptions
-
-    if scheme in OBJECT_SCHEMES:
-        from .object_store import ObjectStorage
-
-        return ObjectStorage(loc, ObjectStoreOptions(**options))
-    if options:
-        raise TypeError(f"open_storage: options {sorted(options)} apply to object-store URLs only, not to {loc!r}")
-    if scheme == "file":
-        from .local import LocalStorage
-
-        return LocalStorage(m.group(2) if m else check_local_path(loc))
-    if scheme == "memory":
-        from .memory import MemoryStorage
-
-        return MemoryStorage(loc)
-    raise StorageError(
-        f"{loc}: no storage backend for scheme {scheme!r}; supported: local paths, file://, memory://, "
-        "s3://, gs://, az://"
-    )

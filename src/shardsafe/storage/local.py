@@ -27,7 +27,7 @@ from ..errors import CorruptCheckpointError, StorageError
 from ..knobs import KNOBS, Knobs
 from .base import check_name
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalStorage", "open_nofollow", "read_nofollow"]
 
 
 class _FileWriter:
@@ -86,6 +86,8 @@ class LocalStorage:
         self._writeback = (knobs or KNOBS).writeback_bytes
         self.root = os.path.abspath(root)
         self.url = self.root
+        self.local_root = self.root
+        self.coalesce_gap_bytes = None
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()  # reader threads share the fd cache
 
@@ -101,16 +103,7 @@ class LocalStorage:
 
     def _open(self, name: str, flags: int) -> int:
         """``os.open`` of a file inside the root that refuses a symbolic link at ``name``."""
-        path = self._path(name)
-        try:
-            return os.open(path, flags | _NOFOLLOW)
-        except OSError as e:
-            if e.errno == errno.ELOOP and os.path.islink(path):
-                raise CorruptCheckpointError(
-                    f"{path}: is a symbolic link; shardsafe does not follow links for the files of a checkpoint "
-                    f"(it may point outside the checkpoint): replace it with the file itself"
-                ) from None
-            raise
+        return open_nofollow(self._path(name), flags)
 
     @contextmanager
     def write_file(self, name: str) -> Iterator[_FileWriter]:
@@ -150,23 +143,41 @@ class LocalStorage:
                 os.close(fd)
             if if_match is not None:
                 self._replace_if(name, tmp, if_match)
-            elif overwrite:
-                os.replace(tmp, path)
+                self._fsync_root()
             else:
-                try:
-                    os.link(tmp, path)  # fails if ``path`` exists: a no-clobber atomic create
-                except FileNotFoundError:
-                    if os.path.lexists(path):  # our temporary file was swept by the save that committed
-                        raise FileExistsError(errno.EEXIST, f"{path} already exists") from None
-                    raise
-                os.unlink(tmp)
-            self._fsync_root()
+                self._publish(tmp, path, overwrite=overwrite)
         except FileExistsError:
             _unlink_quietly(tmp)
             raise
         except OSError as e:
             _unlink_quietly(tmp)
             raise StorageError(f"{path}: cannot write: {e.strerror}") from e
+
+    def publish(self, tmp_name: str, name: str, *, overwrite: bool) -> None:
+        """Move the finished file ``tmp_name`` (written with :meth:`write_file`) to ``name``
+        atomically and durably: readers of ``name`` see the old file or the whole new one. With
+        ``overwrite=False`` an existing ``name`` is left alone and ``FileExistsError`` raised
+        (``tmp_name`` is then left for the caller to remove). ``StorageError`` on I/O error."""
+        path = self._path(name)
+        try:
+            self._publish(self._path(tmp_name), path, overwrite=overwrite)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            raise StorageError(f"{path}: cannot move the finished file into place: {e.strerror}") from e
+
+    def _publish(self, tmp: str, path: str, *, overwrite: bool) -> None:
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if ``path`` exists: a no-clobber atomic create
+            except FileNotFoundError:
+                if os.path.lexists(path):  # our temporary file was swept by the save that committed
+                    raise FileExistsError(errno.EEXIST, f"{path} already exists") from None
+                raise
+            os.unlink(tmp)
+        self._fsync_root()
 
     def _replace_if(self, name: str, tmp: str, if_match: str) -> None:
         """Rename ``tmp`` over ``name`` if ``name`` still is version ``if_match``.
@@ -220,6 +231,10 @@ class LocalStorage:
                 self._fds[name] = fd
             return fd
 
+    def read_spans_into(self, name: str, spans: list[tuple[int, memoryview]]) -> None:
+        for offset, buf in spans:
+            self.read_into(name, offset, [buf])
+
     def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
         fd = self._fd(name)
         views = [memoryview(b).cast("B") for b in buffers]
@@ -260,9 +275,11 @@ class LocalStorage:
             finally:
                 os.close(fd)
         except FileNotFoundError:
+            if not os.path.lexists(self.root):  # the location itself is not there (a mistyped path): say so
+                raise FileNotFoundError(errno.ENOENT, "no such directory", self.root) from None
             raise
         except NotADirectoryError:  # the root is a file (a model.safetensors named as a checkpoint): nothing is in it
-            raise FileNotFoundError(errno.ENOENT, "no such file: the location is not a directory", path) from None
+            raise FileNotFoundError(errno.ENOTDIR, "no such file: the location is a file, not a directory", self.root) from None
         except OSError as e:
             raise StorageError(f"{path}: cannot read: {e.strerror}") from e
 
@@ -309,7 +326,67 @@ class LocalStorage:
             raise StorageError(f"{path}: cannot remove the directory: {e.strerror}" + (f" (it still holds {left[:5]})" if left else "")) from e
 
 
-def _read_all(fd: int) -> bytes:
+def open_nofollow(path: str, flags: int = os.O_RDONLY, *, root: str | None = None) -> int:
+    """``os.open(path, flags)`` that never follows a symbolic link at ``path`` itself
+    (``CorruptCheckpointError`` naming it), the one way shardsafe opens a checkpoint's files.
+
+    With ``root`` (a checkpoint directory holding ``path`` in a sub-directory, as a Zarr array's
+    chunk files are), the directories between ``root`` and ``path`` must not lead outside
+    ``root`` through a link either. ``root`` itself may be a link."""
+    if root is not None:
+        base = os.path.realpath(root)
+        parent = os.path.realpath(os.path.dirname(path))
+        if parent != base and not parent.startswith(base + os.sep):
+            raise CorruptCheckpointError(
+                f"{path}: a symbolic link among its directories leads outside the checkpoint {root} (to {parent}); "
+                "shardsafe does not follow links for the files of a checkpoint: replace it with the directory itself"
+            )
+    try:
+        return os.open(path, flags | _NOFOLLOW)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+            raise CorruptCheckpointError(
+                f"{path}: is a symbolic link; shardsafe does not follow links for the files of a checkpoint "
+                f"(it may point outside the checkpoint): replace it with the file itself"
+            ) from None
+        raise
+
+
+def read_nofollow(path: str, *, root: str | None = None, size: int | None = None, limit: int | None = None) -> bytes:
+    """The bytes of the file at ``path``, opened by :func:`open_nofollow`. Its size is checked
+    before anything is read or allocated: ``CorruptCheckpointError`` unless it is ``size``
+    bytes (when given) and at most ``limit`` (when given). ``FileNotFoundError`` if missing."""
+    fd = open_nofollow(path, root=root)
+    try:
+        st = os.fstat(fd)
+        if size is not None and st.st_size != size:
+            raise CorruptCheckpointError(f"{path}: holds {st.st_size} bytes, expected {size}; the file is damaged, truncated or not this checkpoint's")
+        if limit is not None and st.st_size > limit:
+            raise CorruptCheckpointError(f"{path}: holds {st.st_size} bytes, more than the {limit} such a file may hold; refusing to read it")
+        data = _read_all(fd, st.st_size)
+        if size is not None and len(data) != size:
+            raise CorruptCheckpointError(f"{path}: changed while it was read ({len(data)} bytes, expected {size})")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int, bound: int | None = None) -> bytes:
+    """The whole file, or (with ``bound``) at most ``bound`` bytes of it and one more, so that a
+    file growing while it is read is noticed without reading all of it."""
+    if bound is not None:
+        chunks, pos = [], 0
+        while pos <= bound:
+            chunk = os.pread(fd, min(bound + 1 - pos, 1 << 24), pos)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            pos += len(chunk)
+        return b"".join(chunks)
+    return _read_whole(fd)
+
+
+def _read_whole(fd: int) -> bytes:
     size = os.fstat(fd).st_size
     chunks, pos = [], 0
     while True:

@@ -33,6 +33,8 @@ class _BufferWriter:
 class MemoryStorage:
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
+        self.local_root = None
+        self.coalesce_gap_bytes = None
         with _LOCK:
             self._files = _STORES.setdefault(self.url, {})
             self._versions = _VERSIONS.setdefault(self.url, {})
@@ -58,6 +60,10 @@ class MemoryStorage:
             elif not overwrite and name in self._files:
                 raise FileExistsError(f"{self.url}/{name}")
             self._set(name, bytes(data))
+
+    def read_spans_into(self, name: str, spans: list[tuple[int, memoryview]]) -> None:
+        for offset, buf in spans:
+            self.read_into(name, offset, [buf])
 
     def read_into(self, name: str, offset: int, buffers: list[memoryview]) -> None:
         data = self._get(name)

@@ -91,6 +91,7 @@ class ObjectStorage:
         self.get_bytes = o.get_bytes or max(knobs.object_get_bytes, 1 << 16)
         self.concurrency = o.concurrency or max(knobs.object_concurrency, 1)
         self.coalesce_gap_bytes = o.coalesce_gap_bytes  # read by the engine's reader
+        self.local_root = None
         self._store = build_store(
             self.location,
             o,

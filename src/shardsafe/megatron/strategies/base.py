@@ -43,9 +43,9 @@ default_strategies: defaultdict[str, dict[tuple[str, int], Any]] = defaultdict(d
 
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
-    """The strategy registered for ``action`` on ``(backend, version)``."""
-    from . import shardsafe  # noqa: F401 - registers shardsafe's strategies
-
+    """The strategy registered for ``action`` on ``(backend, version)`` (shardsafe's own are
+    registered when the package ``shardsafe.megatron.strategies``, which holds this module, is
+    imported)."""
     try:
         return default_strategies[action.value][(backend, version)]
     except KeyError:

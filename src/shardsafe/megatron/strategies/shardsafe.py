@@ -35,9 +35,11 @@ import torch
 import xxhash
 
 from ... import adapters
-from ...checkpointer import Checkpointer, _read_metadata
+from ...checkpointer import Checkpointer
 from ...dist import Comm, get_comm
 from ...engine.background import AsyncSave
+from ...engine.file_index import bind_files
+from ...engine.loader import read_metadata as read_committed
 from ...errors import ForeignCheckpointError, IncompleteCheckpointError
 from ...format.metadata import METADATA_FILENAME, StorageMetadata
 from ...knobs import Knobs
@@ -312,7 +314,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 raw, version = storage.read_versioned(METADATA_FILENAME)
             except FileNotFoundError:
                 raise NotADistributedCheckpointError(f"{checkpoint_dir} is not a distributed checkpoint: it has no {METADATA_FILENAME}") from None
-            meta = StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}").bind(storage)
+            meta = bind_files(StorageMetadata.from_json(raw, where=f"{storage.url}/{METADATA_FILENAME}"), storage)
             gone = [k for k in meta.tensors if k.startswith(key_prefix)]
             if not gone:
                 log.warning("%s: no tensor key starts with %r; nothing removed", checkpoint_dir, key_prefix)
@@ -510,7 +512,7 @@ def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool, comm: Comm | Non
     only collective); without it the ranks check in as ``Checkpointer.get_metadata`` does."""
     try:
         if comm is not None and not no_dist:
-            return _read_metadata(open_storage(location(checkpoint_dir)), comm)
+            return read_committed(open_storage(location(checkpoint_dir)), comm)
         return Checkpointer().get_metadata(location(checkpoint_dir), no_dist=no_dist)
     except ForeignCheckpointError as e:
         config = maybe_load_config(str(checkpoint_dir))

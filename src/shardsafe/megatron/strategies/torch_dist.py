@@ -24,13 +24,16 @@ import pickle
 import types
 from math import prod
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
 from ... import adapters
 from ...dcp import dcp_format
 from ...dist import get_comm
+from ...engine.bounds import StoredFile
+from ...errors import ShardingError
+from ...format.geometry import check_tiling
 from ...storage import Storage, open_storage
 from ..core import CheckpointingException, opened
 from ..mapping import ShardedObject, ShardedStateDict, StateDict
@@ -44,15 +47,21 @@ COMMON_ALLOWLIST: list[Any] = [argparse.Namespace, types.SimpleNamespace]
 (tensors, dtypes, containers, numbers, strings): what Megatron stores there."""
 
 
-def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
+def safe_torch_load(raw: bytes | BinaryIO, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
     """What ``torch.save`` wrote in ``raw``, read by torch's safe loader with :data:`COMMON_ALLOWLIST`
     added; a pickle it refuses raises ``CheckpointingException`` unless ``allow_pickle``, ending
     with ``opt_in`` (by default: pass ``sharded_strategy=<strategy>(allow_pickle=True)``)."""
     if opt_in is None:
         opt_in = f"Pass sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
+    def source() -> BinaryIO:  # the bytes, or the file (seekable: torch reads only what it needs of it) from its start
+        if isinstance(raw, bytes | bytearray):
+            return io.BytesIO(raw)
+        raw.seek(0)
+        return raw
+
     try:
         with torch.serialization.safe_globals(COMMON_ALLOWLIST):
-            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            return torch.load(source(), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if not allow_pickle:
             raise CheckpointingException(
@@ -61,21 +70,21 @@ def safe_torch_load(raw: bytes, where: str, *, allow_pickle: bool, strategy: str
             ) from None
     except Exception as e:  # noqa: BLE001 - a damaged file
         raise CheckpointingException(f"{where}: cannot read it: {type(e).__name__}: {str(e)[:300]}") from None
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+    return torch.load(source(), map_location="cpu", weights_only=False)
 
 
 def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> StateDict:
     """Megatron's ``common.pt`` in ``checkpoint_dir`` (``{}`` if there is none); see :func:`safe_torch_load`."""
     storage = open_storage(location(checkpoint_dir))
+    where = f"{storage.url.rstrip('/')}/{COMMON_FNAME}"  # the location, also when given a Storage
     try:
-        raw = storage.read(COMMON_FNAME)
-    except FileNotFoundError:
-        return {}
+        if COMMON_FNAME not in storage.list():
+            return {}
+        # streamed: torch reads the parts of the archive it needs, whatever size the file claims
+        common = safe_torch_load(StoredFile(storage, COMMON_FNAME), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
     finally:
         if storage is not checkpoint_dir:
             storage.close()
-    where = f"{checkpoint_dir}/{COMMON_FNAME}"
-    common = safe_torch_load(bytes(raw), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
     if not isinstance(common, dict):
         raise CheckpointingException(f"{where} holds a {type(common).__name__}, not a dict")
     return common
@@ -125,6 +134,13 @@ class _View(NamedTuple):
         """The value of the stored ShardedObject ``unique_key`` (see :func:`safe_torch_load`)."""
         where = f"{self.where}: ShardedObject {unique_key!r}"
         return read_sharded_object(storage, self.objects[unique_key], where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
+
+    def check_stored(self, storage: Storage) -> None:
+        """Before whole tensors are allocated: every tensor is tiled by its stored chunks and
+        every data file holds the items the metadata places in it (one 1-byte read per file),
+        so the shapes allocated are bounded by the bytes the files hold."""
+        check_tilings(self)
+        dcp_format.check_files_hold(storage, self.ckpt)
 
     def load_chunk(self, storage: Storage, key: str, item: Any) -> torch.Tensor:
         """The stored chunk ``item`` of ``key``: its elements, in a tensor of DCP's chunk shape."""
@@ -181,9 +197,10 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
     def load_plain(self, checkpoint_dir: str | Path) -> StateDict:
         """Every stored tensor, whole, by key (no process group: this process reads them all)."""
         meta = self.view(checkpoint_dir)
-        out = {key: torch.empty(t.shape, dtype=t.torch_dtype) for key, t in meta.tensors.items()}
         storage = open_storage(location(checkpoint_dir))
         try:
+            meta.check_stored(storage)  # shapes from foreign metadata: proven by the files before allocating
+            out = {key: torch.empty(t.shape, dtype=t.torch_dtype) for key, t in meta.tensors.items()}
             chunks: dict[tuple[str, Any], torch.Tensor] = {}
             for key, data in out.items():
                 shape = tuple(data.shape)
@@ -222,6 +239,16 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
         finally:
             if storage is not checkpoint_dir:
                 storage.close()
+
+
+def check_tilings(meta: Any) -> None:
+    """``CheckpointingException`` unless the stored chunks of every tensor of ``meta`` (a
+    :class:`_View` or another view with its attributes) tile its global shape exactly."""
+    for key, stored in meta.tensors.items():
+        try:
+            check_tiling(key, stored.shape, [(off, lens, flat) for off, lens, flat, _ in meta.pieces(key)])
+        except ShardingError as e:
+            raise CheckpointingException(f"{meta.where}: {e}") from None
 
 
 def _fill(t: adapters.ShardedTensor, meta: Any, storage: Storage, chunks: dict) -> None:

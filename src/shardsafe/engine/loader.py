@@ -1,0 +1,183 @@
+"""The load side of the engine: read the committed metadata, check targets against it, fill
+them in place (:func:`load_state`) or build full tensors (:func:`unshard_state`).
+
+``read_metadata`` is the one reader of ``metadata.json`` for every public entry point and every
+integration: it waits for a save in flight to the same location, reads once on the first rank
+and broadcasts, tells another library's checkpoint from an uncommitted one, and gives back a
+document whose data files' headers are readable from the storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from .._gc import paused_gc
+from .._progress import Progress, bytes_counter, targets_done
+from ..adapters import LocalTensor, describe_state
+from ..adapters.nested import Targets, load_targets
+from ..dist import Comm
+from ..errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError
+from ..format.metadata import METADATA_FILENAME, StorageMetadata, keys_under
+from ..format.values import decode_objects
+from ..knobs import Knobs
+from ..storage import Storage
+from .background import wait_for_location
+from .bounds import check_files_hold, read_limited
+from .file_index import bind_files
+from .foreign import missing_metadata_error
+from .reader import Reader
+
+__all__ = ["StoredValues", "check_targets", "load_state", "read_metadata", "unshard_state"]
+
+log = logging.getLogger("shardsafe.checkpointer")  # the logger these lines always had
+
+
+def read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
+    """The committed ``metadata.json`` at ``storage``: read by the first rank of ``comm`` and
+    broadcast, parsed and checked on every rank, with its data files' headers readable from
+    ``storage``. Waits first for a save in flight from this process to the same location. Raises
+    ``IncompleteCheckpointError``, or ``ForeignCheckpointError`` naming the format and its
+    converter when the location holds another library's checkpoint."""
+    where = f"{storage.url.rstrip('/')}/{METADATA_FILENAME}"
+    wait_for_location(storage.url)  # a save in flight from this process to it commits first
+
+    def read() -> bytes:
+        try:
+            return read_limited(storage, METADATA_FILENAME)  # a file grown sparse is refused, not read whole
+        except FileNotFoundError as e:  # another library's checkpoint, uncommitted, or nothing there
+            raise missing_metadata_error(storage, METADATA_FILENAME, e) from None
+
+    raw = comm.broadcast(read)
+    with paused_gc():
+        return bind_files(StorageMetadata.from_json(raw, where=where), storage)
+
+
+class StoredValues:
+    """The keys ``meta`` stores as values (``in`` only)."""
+
+    def __init__(self, meta: StorageMetadata) -> None:
+        self.meta = meta
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.meta.objects or key in self.meta.pickled_objects
+
+
+def check_targets(meta: Any, tensors: list[LocalTensor], objects: list[str], where: str) -> None:
+    """Every target tensor is stored with its global shape and dtype, and every target value is
+    stored as a value; ``meta`` needs ``tensors`` (and ``objects``, ``pickled_objects`` when
+    ``objects`` is not empty)."""
+    for t in tensors:
+        stored = meta.tensors.get(t.key)
+        if stored is None:
+            raise MissingKeyError(f"{where}: key {t.key!r} is not in the checkpoint ({len(meta.tensors)} tensors stored)")
+        if stored.shape != t.shape:
+            raise ShapeMismatchError(
+                f"{where}: key {t.key!r}: checkpoint has global shape {list(stored.shape)}, target has {list(t.shape)}"
+            )
+        if stored.dtype != t.dtype_name:
+            raise DtypeMismatchError(f"{where}: key {t.key!r}: checkpoint has dtype {stored.dtype}, target has {t.dtype_name}")
+    for key in objects:
+        if key not in meta.objects and key not in meta.pickled_objects:
+            kind = "a tensor" if key in meta.tensors else "not in the checkpoint"
+            raise MissingKeyError(f"{where}: non-tensor key {key!r} is {kind}")
+
+
+def load_state(
+    storage: Storage, state_dict: dict[str, Any], comm: Comm, meta: StorageMetadata, *, allow_pickle: bool, knobs: Knobs,
+    progress: Progress | None = None,
+) -> None:
+    """Fill the tensors of ``state_dict`` (nested as on save) in place from the checkpoint ``meta``
+    describes, then replace its values and call each ``Stateful``'s ``load_state_dict``. Every rank
+    of ``comm`` calls it together; a failure on any rank raises on every rank."""
+    started = time.monotonic()
+    nread = [0]
+
+    def run() -> tuple[Targets, dict[str, Any]]:
+        targets = load_targets(
+            state_dict, StoredValues(meta), lambda: [*meta.tensors, *meta.objects, *meta.pickled_objects]
+        )
+        tensors, objects = describe_state(targets.flat, targets=True)
+        check_targets(meta, tensors, list(objects), storage.url)
+        values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=allow_pickle, where=storage.url)
+        with Reader(storage, knobs) as reader:
+            reader.load_tensors(((meta.tensors[t.key], t) for t in tensors), targets_done(progress, tensors))
+            nread[0] = reader.bytes_read
+        log.debug(
+            "load %s: rank %d of %d filled %d tensors and %d values, %d bytes read, %.2f s",
+            storage.url, comm.rank, comm.world_size, len(tensors), len(values), nread[0], time.monotonic() - started,
+        )
+        return targets, values
+
+    targets, values = comm.check(run)  # only success or failure travels; the values stay here
+    targets.apply(values)  # the values in place, then each Stateful's load_state_dict
+    if comm.is_coordinator:
+        seconds = time.monotonic() - started
+        log.debug(
+            "load %s: %d targets, %d bytes read on the coordinator, %.2f s, %.2f GB/s",
+            storage.url, len(state_dict), nread[0], seconds, nread[0] / max(seconds, 1e-9) / 1e9,
+        )
+
+
+def unshard_state(
+    storage: Storage,
+    comm: Comm,
+    *,
+    allow_pickle: bool,
+    knobs: Knobs,
+    device: torch.device | str | None,
+    rank0_only: bool,
+    num_threads: int | None = None,
+    prefix: str | None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """The full tensors and the values of the checkpoint at ``storage`` (those under ``prefix``,
+    without it), read by every rank of ``comm`` (only the first with ``rank0_only``)."""
+    meta = read_metadata(storage, comm)
+    if rank0_only and comm.rank != 0:
+        if progress is not None:
+            progress(0, 0)
+        return {}
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    out: dict[str, Any] = {}
+    selected = keys_under(meta.tensors, prefix)
+    wanted = keys_under([*meta.objects, *meta.pickled_objects], prefix)
+    if prefix is not None and not selected and not wanted:
+        stored = sorted([*meta.tensors, *meta.objects, *meta.pickled_objects])
+        raise MissingKeyError(
+            f"{storage.url}: no key starts with {prefix!r}; the checkpoint holds {len(stored)} key(s)"
+            + (f", such as {stored[:5]}" if stored else "")
+        )
+    if meta.resolver is not None:  # format v3: the headers of every file holding these tensors, read at once
+        holders: dict[int, str] = {}
+        for key in selected.values():
+            table = meta.tensors[key]._table
+            for f in table.files.tolist() if table is not None else ():
+                holders.setdefault(f, key)
+        meta.resolver.prefetch(holders, knobs.io_threads)
+    check_files_hold(storage, ((key, meta.tensors[key]) for key in selected.values()))  # before allocating
+    started = time.monotonic()
+    add = bytes_counter(progress, sum(math.prod(meta.tensors[k].shape) * meta.tensors[k].torch_dtype.itemsize for k in selected.values()))
+    with Reader(storage, knobs, num_threads=num_threads) as reader:
+        for name, key in selected.items():
+            tm = meta.tensors[key]
+            full = torch.empty(tm.shape, dtype=tm.torch_dtype)
+            (target,), _ = describe_state({key: full})
+            reader.load_tensor(tm, target)
+            if add is not None:
+                add(full.numel() * full.element_size())
+            out[name] = full if device.type == "cpu" else full.to(device)
+        nread = reader.bytes_read
+    values = decode_objects(meta.objects, meta.pickled_objects, list(wanted.values()), allow_pickle=allow_pickle, where=storage.url)
+    out.update((name, values[key]) for name, key in wanted.items())
+    if comm.is_coordinator:
+        seconds = time.monotonic() - started
+        log.debug(
+            "unshard %s: %d tensors, %d bytes read, %.2f s, %.2f GB/s",
+            storage.url, len(selected), nread, seconds, nread / max(seconds, 1e-9) / 1e9,
+        )
+    return out
