@@ -22,7 +22,6 @@ import torch
 
 from shardsafe.errors import ShapeMismatchError
 from shardsafe.megatron import CheckpointingException, ShardedObject, ShardedTensor, load, load_tensors_metadata, save
-from shardsafe.megatron.exchange_utils import distribute_shards_to_ranks
 
 from .distributed import run_ranks
 
@@ -226,6 +225,8 @@ def test_a_megatron_lm_style_async_save_and_resume_through_install(tmp_path):
 
 
 def test_distribute_shards_to_ranks_lowest_coverage_then_largest_then_id_to_the_least_loaded_rank():
+    from shardsafe.megatron.exchange_utils import distribute_shards_to_ranks
+
     shard_to_ranks = {"a": [0, 1, 2], "b": [0, 1, 2], "c": [1], "d": [0, 2], "x": [0, 1, 2]}
     sizes = {"a": 10, "b": 30, "c": 5, "d": 20, "x": 30}
     # c (one holder) -> 1; d (two) -> 0; then three holders, largest first: b, x (30 each, by id) -> 2, 1; a -> 2? no:
