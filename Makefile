@@ -100,3 +100,14 @@ bench-hf: $(BENCH_STAMP)
 
 bench-hf-quick: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_hf.py --quick
+
+# Megatron-Core v0.15.3's own tests/unit_tests/dist_checkpointing suite on CPU/gloo (8 ranks), against
+# shardsafe.megatron installed as megatron.core.dist_checkpointing and against real megatron-core;
+# prints MEGATRON-TESTS lines. Not part of `make test`: it needs Megatron-LM's sources, which CI cannot
+# fetch (git clone --depth 1 --branch core_v0.15.3 https://github.com/NVIDIA/Megatron-LM $(MEGATRON_SRC)).
+# MEGATRON_TESTS=... picks files (e.g. "test_mapping.py test_serialization.py", or --all for every file, models/ too).
+.PHONY: test-megatron
+MEGATRON_SRC ?=
+MEGATRON_TESTS ?=
+test-megatron: $(STAMP)
+	$(PY) tests/megatron_suite/run.py --megatron-src "$(MEGATRON_SRC)" $(MEGATRON_TESTS)

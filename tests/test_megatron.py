@@ -480,8 +480,11 @@ def test_load_refusals_and_padded_shapes(tmp_path):
     assert torch.equal(out["a"], torch.tensor([[2.0] * 3, [0.0] * 3, [0.0] * 3]))
     with pytest.raises(CheckpointingException, match=r"ShardedObject 'o/shard_0_2' is not in the checkpoint \(it holds \['o/shard_0_1'\] of key 'o'"):
         load({"o": ShardedObject("o", None, (2,), (0,)), "o2": ShardedObject("o", None, (2,), (1,))}, path)
-    with pytest.raises(NotADistributedCheckpointError, match=r"is not a distributed checkpoint"):
+    with pytest.raises(NotADistributedCheckpointError, match=f"^Checkpoint directory {tmp_path / 'nothing'} does not exist$"):
         load({}, str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NotADistributedCheckpointError, match=r"empty\S* is not a distributed checkpoint"):
+        load({}, str(tmp_path / "empty"))
 
 
 def test_common_state_round_trips_without_pickle(tmp_path):

@@ -96,7 +96,7 @@ def test_a_state_larger_than_the_budget_stages_in_parts_and_says_so(tmp_path, ca
     knobs = dataclasses.replace(KNOBS, async_staging_bytes=2 << 20, write_block_bytes=1 << 20)
     state = {"a": torch.randn(1_500_000), "b": torch.randn(700, 900).t()}  # 6 MB and a strided 2.5 MB
     expected = {k: v.clone() for k, v in state.items()}
-    with caplog.at_level(logging.INFO, logger="shardsafe"):
+    with caplog.at_level(logging.DEBUG, logger="shardsafe"):
         pending = shardsafe.Checkpointer(knobs=knobs).async_save(tmp_path / "c", state)
     for t in state.values():
         t.zero_()

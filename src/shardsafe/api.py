@@ -454,7 +454,7 @@ def unshard_to_safetensors(
                 stacklevel=2,
             )
     seconds = time.monotonic() - started
-    log.info(
+    log.debug(
         "unshard %s -> %s: %d tensors, %d bytes in %d file(s), %.2f s, %.2f GB/s",
         storage.url, out, counts["tensors"], total, len(outputs), seconds, total / max(seconds, 1e-9) / 1e9,
     )

@@ -144,7 +144,7 @@ def _write(
     finally:
         out.close()
     seconds = time.monotonic() - started
-    log.info(
+    log.debug(
         "convert %s -> %s: %d tensors, %d values, %d bytes, %.2f s, %.2f GB/s",
         where, out.url, len(meta.tensors), len(values), total, seconds, total / max(seconds, 1e-9) / 1e9,
     )

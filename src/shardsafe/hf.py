@@ -289,7 +289,7 @@ def load_hf_safetensors(
     nread = comm.check(run)
     if comm.is_coordinator:
         seconds = time.monotonic() - started
-        log.info(
+        log.debug(
             "load_hf_safetensors %s: %d tensors, %d bytes read on rank 0, %.2f s, %.2f GB/s",
             hf.where, len(stored), nread, seconds, nread / max(seconds, 1e-9) / 1e9,
         )

@@ -439,7 +439,7 @@ class CheckpointManager:
             try:
                 files = child.list()
                 if METADATA_FILENAME not in files:
-                    log.info("CheckpointManager: removing %s/%s: it never committed (no %s)", self.root, name, METADATA_FILENAME)
+                    log.debug("CheckpointManager: removing %s/%s: it never committed (no %s)", self.root, name, METADATA_FILENAME)
                     self._remove(name)
                     continue
                 damage = _damage(child, set(files))
@@ -495,7 +495,7 @@ class CheckpointManager:
         self._steps = [s for s in self._steps if s in keep]
         if self._comm.is_coordinator:
             for s in drop:
-                log.info("CheckpointManager: deleting step %d under %s (keep_last=%s, keep_every=%s)", s, self.root, self.keep_last, self.keep_every)
+                log.debug("CheckpointManager: deleting step %d under %s (keep_last=%s, keep_every=%s)", s, self.root, self.keep_last, self.keep_every)
                 self._remove(step_dir_name(s))
 
     @contextmanager

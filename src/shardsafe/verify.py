@@ -232,7 +232,7 @@ def verify_report(
     finally:
         storage.close()
     seconds = time.monotonic() - started
-    log.info(
+    log.debug(
         "verify %s: %d files, %d chunks, %d bytes, %d problem(s), %.2f s, %.2f GB/s",
         storage.url, report.files, report.chunks, report.bytes, len(report.errors), seconds, report.bytes / max(seconds, 1e-9) / 1e9,
     )

@@ -107,7 +107,7 @@ def convert(
         source.close()
     out.close()
     tensors = meta.tensors
-    log.info("%s: converted %d tensors, %d values, %d bytes from %s", out.url, len(tensors), len(values), total, ckpt.where)
+    log.debug("%s: converted %d tensors, %d values, %d bytes from %s", out.url, len(tensors), len(values), total, ckpt.where)
     return meta
 
 

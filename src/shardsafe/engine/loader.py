@@ -117,7 +117,7 @@ def load_state(
     targets.apply(values)  # the values in place, then each Stateful's load_state_dict
     if comm.is_coordinator:
         seconds = time.monotonic() - started
-        log.info(
+        log.debug(
             "load %s: %d targets, %d bytes read on the coordinator, %.2f s, %.2f GB/s",
             storage.url, len(state_dict), nread[0], seconds, nread[0] / max(seconds, 1e-9) / 1e9,
         )
@@ -176,7 +176,7 @@ def unshard_state(
     out.update((name, values[key]) for name, key in wanted.items())
     if comm.is_coordinator:
         seconds = time.monotonic() - started
-        log.info(
+        log.debug(
             "unshard %s: %d tensors, %d bytes read, %.2f s, %.2f GB/s",
             storage.url, len(selected), nread, seconds, nread / max(seconds, 1e-9) / 1e9,
         )

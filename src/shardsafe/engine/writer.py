@@ -205,7 +205,7 @@ def _async_save_in_parts(
 
     def produce() -> None:
         if _stage_into(p, ring, units) and ring.waited:
-            log.info(
+            log.debug(
                 "%s: rank %d staged %d bytes in parts through a %d-byte buffer (knobs.async_staging_bytes): "
                 "async_save returned once the last part was copied", storage.url, comm.global_rank, total, ring.capacity,
             )
@@ -445,7 +445,7 @@ def _finish(
 
 def _log_commit(url: str, meta: StorageMetadata, ranks: int, seconds: float) -> None:
     nbytes = sum(f.size for f in meta.file_table or ())
-    log.info(
+    log.debug(
         "save %s: %d tensors, %d values, %d bytes from %d rank(s), %.2f s, %.2f GB/s",
         url, len(meta.tensors), len(meta.objects) + len(meta.pickled_objects), nbytes, ranks, seconds, nbytes / max(seconds, 1e-9) / 1e9,
     )

@@ -237,7 +237,7 @@ def consolidate(
     if show is not None and written[0] < total:
         show(total, total)  # tensors already in memory (a Lightning DCP folder, values) are written, too
     seconds = time.monotonic() - started
-    log.info("consolidate %s -> %s: %d tensors, %d bytes, %.2f s", dir, output.where, len(tensors), total, seconds)
+    log.debug("consolidate %s -> %s: %d tensors, %d bytes, %.2f s", dir, output.where, len(tensors), total, seconds)
     return {"tensors": len(tensors), "bytes": total, "file_bytes": size}
 
 

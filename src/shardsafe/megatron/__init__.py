@@ -14,6 +14,7 @@ Checkpoints megatron-core's ``torch_dist`` and ``zarr`` backends wrote load thro
 """
 
 from . import core, dict_utils, mapping, optimizer, serialization, strategies, utils, validation
+from ._alias import install, installed
 from .convert import convert_megatron
 from .core import CheckpointingConfig, CheckpointingException, check_is_distributed_checkpoint
 from .mapping import (
@@ -59,6 +60,8 @@ __all__ = [
     "convert_megatron",
     "core",
     "dict_utils",
+    "install",
+    "installed",
     "load",
     "load_common_state_dict",
     "load_content_metadata",

@@ -133,7 +133,7 @@ def _convert(
     )
     out.close()
     tensors = meta.tensors
-    log.info("%s: converted %d tensors, %d ShardedObjects, %d bytes from %s", out.url, len(tensors), len(view.objects), total, source.url)
+    log.debug("%s: converted %d tensors, %d ShardedObjects, %d bytes from %s", out.url, len(tensors), len(view.objects), total, source.url)
     return meta
 
 

@@ -9,11 +9,12 @@ it (``sharded_backend="shardsafe"``), for one Megatron-Core wrote it returns Meg
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..engine.bounds import read_limited
 from ..errors import CheckpointError, IncompleteCheckpointError
@@ -45,6 +46,46 @@ class CheckpointingException(CheckpointError):
 
 class NotADistributedCheckpointError(CheckpointingException, IncompleteCheckpointError):
     """The directory holds no committed checkpoint (no ``metadata.json``)."""
+
+
+_AS_MEGATRON: dict[type, type] = {NotADistributedCheckpointError: NotADistributedCheckpointError}
+
+
+def as_checkpointing_exception(e: CheckpointError) -> CheckpointingException:
+    """``e`` as a :class:`CheckpointingException` that is still an instance of ``e``'s class, with
+    its message and per-rank causes: Megatron's ``except CheckpointingException`` catches it, and
+    ``except ShapeMismatchError`` (or any shardsafe cause) still does too. Its class is named
+    ``<cause>`` (e.g. ``ShapeMismatchError``) and derives from both."""
+    if isinstance(e, CheckpointingException):
+        return e
+    cause = type(e)
+    cls = _AS_MEGATRON.get(cause)
+    if cls is None:
+        cls = type(cause.__name__, (CheckpointingException, cause), {"__module__": __name__, "__qualname__": cause.__name__, "__doc__": cause.__doc__})
+        _AS_MEGATRON[cause] = cls
+    out = cls.__new__(cls)
+    out.args = e.args
+    out.__dict__.update(e.__dict__)
+    return out
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def megatron_errors(fn: F) -> F:
+    """Make every :class:`shardsafe.CheckpointError` out of ``fn`` a :class:`CheckpointingException`
+    (see :func:`as_checkpointing_exception`): put on the public entry points of ``shardsafe.megatron``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointingException:
+            raise
+        except CheckpointError as e:
+            raise as_checkpointing_exception(e) from e
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass

@@ -82,8 +82,9 @@ def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
     """Recursive difference of two nested values.
 
     Returns the key paths only in ``x1``, those only in ``x2``, and ``(path, type1, type2)`` for
-    values present in both that differ (tensors compare element by element; values of
-    different types always differ).
+    values present in both that differ (tensors of one shape compare element by element, by
+    value, whatever their dtypes, as Megatron-Core's ``diff`` does; values of different types
+    always differ).
     """
     only_left: list = []
     only_right: list = []
@@ -114,8 +115,8 @@ def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
 def _equal(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
-    if isinstance(a, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, torch.Tensor):  # element values, as Megatron-Core compares them: an int64 3 equals a float32 3.0
+        return a.shape == b.shape and bool(torch.all(a.cpu() == b.cpu()))
     if hasattr(a, "replica_id") and hasattr(a, "data"):  # sharded objects and tensors: compare their data
         return not any(diff(a.data, b.data))
     try:

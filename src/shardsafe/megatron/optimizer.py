@@ -16,6 +16,7 @@ from .mapping import LocalNonpersistentObject, ShardedStateDict, ShardedTensor, 
 from .utils import extract_sharded_tensors_and_factories
 
 __all__ = [
+    "KEEP_VARS_HINT",
     "get_optim_param_to_id_map",
     "get_param_id_to_sharded_param_map",
     "make_sharded_optimizer_tensor",
@@ -23,6 +24,13 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+KEEP_VARS_HINT = (
+    " The state dict must hold the model's torch.nn.Parameter objects themselves (call"
+    " `.state_dict(keep_vars=True)`), not tensors detached from them; transform a parameter"
+    " through a ShardedTensorFactory instead."
+)
+"""Appended by Megatron-Core's optimizers to errors about parameters missing from a state dict."""
 
 
 def _local(t: Any) -> Any:

@@ -26,10 +26,11 @@ from .core import (
     CheckpointingException,
     config_from_document,
     maybe_load_config,
+    megatron_errors,
     opened,
 )
 from .dict_utils import merge, nested_values
-from .mapping import CommonStateDict, ShardedStateDict, StateDict, apply_factory_merges
+from .mapping import CommonStateDict, ShardedObject, ShardedStateDict, ShardedTensor, StateDict, apply_factory_merges
 from .state_dict_utils import load_preprocess, save_preprocess
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
@@ -53,6 +54,7 @@ from .utils import extract_sharded_base
 from .validation import StrictHandling, parse_strict_flag
 
 __all__ = [
+    "CkptShardedMetadata",
     "get_default_load_sharded_strategy",
     "get_default_save_common_strategy",
     "get_default_save_sharded_strategy",
@@ -70,7 +72,11 @@ __all__ = [
 
 _CONTENT_METADATA_KEY = "content_metadata"
 
+CkptShardedMetadata = dict[str, ShardedTensor | ShardedObject]
+"""What :func:`load_sharded_metadata` returns: stored tensors and objects without data, by key."""
 
+
+@megatron_errors
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str | Path,
@@ -116,6 +122,7 @@ def save(
     return request_for(pending) if pending is not None else None
 
 
+@megatron_errors
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str | Path,
@@ -208,6 +215,7 @@ def config_of(meta: Any) -> CheckpointingConfig:
     return config_from_document({"format_version": meta.format_version, "objects": meta.objects})  # type: ignore[return-value]
 
 
+@megatron_errors
 def load_common_state_dict(checkpoint_dir: str | Path) -> StateDict:
     """The checkpoint's common state (no process group needed). Values saved with pickle need
     ``ShardsafeLoadShardedStrategy(allow_pickle=True).load_common(checkpoint_dir)``."""
@@ -217,12 +225,14 @@ def load_common_state_dict(checkpoint_dir: str | Path) -> StateDict:
     return ShardsafeLoadShardedStrategy().load_common(checkpoint_dir)
 
 
+@megatron_errors
 def load_tensors_metadata(checkpoint_dir: str | Path, sharded_strategy: LoadShardedStrategy | None = None) -> ShardedStateDict:
     """Every stored tensor as a ShardedTensor without data or sharding (global shape and dtype),
     by key (no process group needed)."""
     return _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), None).load_tensors_metadata(checkpoint_dir)
 
 
+@megatron_errors
 def load_sharded_metadata(
     checkpoint_dir: str | Path,
     sharded_strategy: LoadShardedStrategy | None = None,
@@ -232,6 +242,7 @@ def load_sharded_metadata(
     return _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), common_strategy).load_sharded_metadata(checkpoint_dir)
 
 
+@megatron_errors
 def load_plain_tensors(checkpoint_dir: str | Path) -> StateDict:
     """Every stored tensor, whole, by key (not the common state). Needs no process group; in
     a distributed job each rank that calls it reads every tensor."""
@@ -244,11 +255,13 @@ def load_plain_tensors(checkpoint_dir: str | Path) -> StateDict:
     return out
 
 
+@megatron_errors
 def load_sharded_objects(sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> Any:
     """Replace every ShardedObject of ``sharded_state_dict`` by its stored value, in place."""
     return ShardsafeLoadShardedStrategy().load_sharded_objects(sharded_state_dict, checkpoint_dir)
 
 
+@megatron_errors
 def load_content_metadata(
     checkpoint_dir: str | Path | None = None, *, preloaded_state_dict: StateDict | None = None
 ) -> dict | None:
@@ -261,6 +274,7 @@ def load_content_metadata(
     return preloaded_state_dict.get(_CONTENT_METADATA_KEY)
 
 
+@megatron_errors
 def remove_sharded_tensors(checkpoint_dir: str | Path, key_prefix: str) -> None:
     """Remove the tensors whose key starts with ``key_prefix`` from the checkpoint (on one process)."""
     _load_strategy(None, None).remove_sharded_tensors(checkpoint_dir, key_prefix)
@@ -276,11 +290,13 @@ def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -
     return None
 
 
+@megatron_errors
 def get_default_load_sharded_strategy(checkpoint_dir: str | Path) -> LoadShardedStrategy:
     """The load strategy for the checkpoint at ``checkpoint_dir``."""
     return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
 
 
+@megatron_errors
 def verify_checkpoint_and_load_strategy(
     checkpoint_dir: str | Path,
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,

@@ -29,6 +29,21 @@ __all__ = [
 
 _KEYED = (ShardedTensor, ShardedTensorFactory, ShardedObject)
 
+_ShardId = tuple[str, tuple, tuple | None]
+"""What identifies one piece of a tensor across ranks: key, global offset, and the flattened
+range as ``(start, stop)`` (None for a box). Replicas of a piece have the same id."""
+
+
+def _sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
+    """The id of ``sharded_tensor``'s piece (the same on every rank holding a replica of it)."""
+    r = sharded_tensor.flattened_range
+    return (sharded_tensor.key, tuple(sharded_tensor.global_offset), None if r is None else (r.start, r.stop))
+
+
+def _sharded_object_id(sharded_object: ShardedObject) -> _ShardId:
+    """The id of ``sharded_object``'s piece: key, offset and shape in its grid."""
+    return (sharded_object.key, tuple(sharded_object.global_offset), tuple(sharded_object.global_shape))
+
 
 def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict]:
     """The :class:`ShardedTensor` leaves, and everything else, both keeping the nesting."""

@@ -39,6 +39,7 @@ __all__ = [
     "maybe_report_missing_and_unexpected_keys",
     "parse_strict_flag",
     "validate_sharding_integrity",
+    "verify_checkpoint_and_load_strategy",
 ]
 
 log = logging.getLogger(__name__)
@@ -153,31 +154,41 @@ def validate_sharding_integrity(global_metadata: Iterable[Any], common_state_dic
     items = list(global_metadata)
     if not all(isinstance(x, list) for x in items):
         _, items = determine_global_metadata({"local": [x for x in items if isinstance(x, ShardedBase)]})
+    elif get_comm(call=None).rank != 0:
+        return  # as in Megatron-Core: given every rank's metadata, rank 0 checks (and raises), the others return
     if common_state_dict is not None:
         warn_common_differs(common_state_dict)
     check_global_sharding([describe_local(rank_values) for rank_values in items])
 
 
 def warn_common_differs(common_state_dict: dict[str, Any]) -> None:
-    """Log (WARNING, on rank 0) the ranks whose common state differs from rank 0's (every rank
-    calls it together)."""
-    from .dict_utils import diff
-
+    """Every rank whose common state differs from rank 0's (the one saved) logs a WARNING with
+    the key-level difference (:func:`log_common_difference`); every rank calls it together."""
     comm = get_comm(call="shardsafe.megatron.validate_common_state")
     if not comm.distributed:
         return
-    theirs = comm.gather(lambda: common_state_dict)
-    comm.raise_failures(theirs)
-    if theirs is None:
-        return
-    for rank, other in enumerate(theirs[1:], start=1):
-        left, right, mismatch = diff(theirs[0], other)
-        if left or right or mismatch:
-            log.warning(
-                "rank %d's common state differs from rank 0's, which is the one saved: keys only on rank 0: %s, "
-                "only on rank %d: %s, different values: %s", comm.global_ranks[rank], left, comm.global_ranks[rank], right,
-                [m[0] for m in mismatch],
-            )
+    rank0 = comm.broadcast(lambda: common_state_dict)
+    if not comm.is_coordinator:
+        log_common_difference(comm.global_rank, rank0, common_state_dict)
+
+
+def log_common_difference(rank: int, rank0_common: Any, common: Any) -> bool:
+    """Log (WARNING) how rank ``rank``'s common state differs from rank 0's, key by key, in
+    Megatron-Core's words, if it does; return whether it does::
+
+        Rank 3 common state dict differs from rank 0 common state dict. Keys only on rank 0: [],
+        Keys only on 3: [], Mismatched keys: [(('rank',), <class 'int'>, <class 'int'>)]
+    """
+    from .dict_utils import diff
+
+    only_rank0, only_here, mismatch = diff(rank0_common, common)
+    if not (only_rank0 or only_here or mismatch):
+        return False
+    log.warning(
+        f"Rank {rank} common state dict differs from rank 0 common state dict. Keys only on rank 0: {only_rank0}, "
+        f"Keys only on {rank}: {only_here}, Mismatched keys: {mismatch}"
+    )
+    return True
 
 
 def check_global_sharding(per_rank: list[list[Entry]]) -> list[list[int]]:
@@ -281,15 +292,26 @@ def _diagnose(key: str, shape: tuple[int, ...], held: list[tuple[int, int, Entry
     covered = sum(prod(b[1]) for b in boxes)
     ranks = sorted({b[2] for b in boxes})
     where = ""
+    # Megatron-Core's words first: a gap inside a box that flattened ranges share, or a box no main replica holds
+    kind = f"Invalid access pattern for key {key!r}"
     if total <= _MASK_LIMIT:
         mask = torch.zeros(shape, dtype=torch.bool)
         for off, lens, _, _ in boxes:
             mask[tuple(slice(o, o + n) for o, n in zip(off, lens))] = True
         missing = (~mask).nonzero()
         if len(missing):
-            where = f", the first at element {missing[0].tolist()}"
+            first = missing[0].tolist()
+            where = f", the first at element {first}"
+            flat_box = next(
+                (e for _, _, e in held if e.main and e.flat is not None
+                 and all(o <= x < o + n for x, o, n in zip(first, e.offset, e.lengths or ()))),
+                None,
+            )
+            if flat_box is not None:
+                box = f"ShardedTensor(key={key!r}, global_offset={tuple(flat_box.offset)}, local_shape={tuple(flat_box.lengths or ())})"
+                kind = f"Flattened ranges dont cover the whole shard {box}"
     return CheckpointingException(
-        f"key {key!r}: the main replicas (on ranks {ranks}) cover {covered} of the {total} elements of global shape "
+        f"{kind}: the main replicas (on ranks {ranks}) cover {covered} of the {total} elements of global shape "
         f"{list(shape)}: a gap{where}; every element needs exactly one main replica"
     )
 
@@ -350,3 +372,11 @@ def maybe_report_missing_and_unexpected_keys(missing_keys: set[str], unexpected_
     if raise_error:
         raise CheckpointingException(msg)
     log.warning(msg)
+
+
+def verify_checkpoint_and_load_strategy(checkpoint_dir: Any, sharded_strategy: Any = None, common_strategy: Any = None) -> tuple[Any, Any]:
+    """The strategies that load the checkpoint at ``checkpoint_dir`` (Megatron-Core's tools import
+    it from here); see :func:`shardsafe.megatron.serialization.verify_checkpoint_and_load_strategy`."""
+    from .serialization import verify_checkpoint_and_load_strategy as verify
+
+    return verify(checkpoint_dir, sharded_strategy, common_strategy)

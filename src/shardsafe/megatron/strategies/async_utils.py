@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from ...dist import get_comm
 from ...engine.background import AsyncSave
-from ..core import CheckpointingException
+from ..core import CheckpointingException, megatron_errors
 
 __all__ = ["AsyncCallsQueue", "AsyncRequest", "request_for", "wait_for_save"]
 
@@ -43,6 +43,7 @@ class AsyncRequest(NamedTuple):
             raise CheckpointingException("cannot add a finalize function to a frozen AsyncRequest (it was scheduled already)")
         self.finalize_fns.append(fn)
 
+    @megatron_errors
     def execute_sync(self) -> None:
         """Complete the request in the caller's thread: ``async_fn``, then every finalize function."""
         _run_async_fn(self)
@@ -54,8 +55,10 @@ class AsyncRequest(NamedTuple):
         return self._replace(is_frozen=True)
 
 
+@megatron_errors
 def wait_for_save(pending: AsyncSave) -> None:
-    """The ``async_fn`` of a request for a shardsafe save: wait until it committed (raise its error)."""
+    """The ``async_fn`` of a request for a shardsafe save: wait until it committed (raise its
+    error, as a ``CheckpointingException``)."""
     pending.wait()
 
 
@@ -127,6 +130,7 @@ class AsyncCallsQueue:
         self.async_calls.append(_Call(self.call_idx, request, save, error))
         return self.call_idx
 
+    @megatron_errors
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
         """Finalize the calls, oldest first, that are done on every rank: run their
         ``finalize_fns`` (on every rank, after the checkpoint is committed) and return their

@@ -23,12 +23,29 @@ from ... import adapters
 from ...dist import Comm, get_comm
 from ...format.metadata import StorageMetadata
 from ...storage import Storage
+from .. import exchange_utils
 from ..core import CheckpointingException
+from ..dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
+from ..exchange_utils import (
+    ShardDistribution,
+    determine_main_replica_uniform_distribution,
+    distribute_main_replicas_with_precomputed_distribution,
+)
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..utils import _sharded_object_id, _sharded_tensor_shard_id
+from .async_utils import AsyncRequest
+from .base import LoadShardedStrategy, SaveShardedStrategy
 from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
 
-__all__ = ["FullyParallelLoadStrategyWrapper", "FullyParallelSaveStrategyWrapper"]
+__all__ = [
+    "FullyParallelLoadStrategyWrapper",
+    "FullyParallelSaveStrategyWrapper",
+    "_sharded_tensor_shard_id",
+    "distribute_main_replicas_with_precomputed_distribution",
+]
 
 _EXCHANGE_ALGOS = {"broadcast": "broadcast", "all_gather": "all_gather", "gather_rounds": "all_gather", "gather_object": "all_gather"}
+# Megatron's names -> shardsafe's exchange of its own strategy's pieces (a foreign strategy's: see exchange_utils)
 _ALIGN = 16  # each piece starts at a multiple of this in an exchange buffer (any dtype views it)
 _DIRECT_BYTES = 1 << 20
 """A piece of at least this many bytes is broadcast on its own, from and into the tensors
@@ -36,20 +53,77 @@ themselves; smaller ones share one buffer per reader (one collective for many sm
 
 
 class FullyParallelSaveStrategyWrapper(ShardsafeSaveShardedStrategy):
-    """``strategy`` (a :class:`ShardsafeSaveShardedStrategy`) with replicated writes spread over
-    the ranks. shardsafe's save always spreads them (over the whole job, which includes every
-    ``process_group``), so this wrapper saves exactly as ``strategy`` does; it exists so that
-    Megatron-Core code that wraps its strategy runs unchanged."""
+    """``strategy`` with replicated writes spread over the ranks of ``process_group``.
 
-    def __init__(self, strategy: ShardsafeSaveShardedStrategy, process_group: Any = None, do_cache_distribution: bool = False) -> None:
-        if not isinstance(strategy, ShardsafeSaveShardedStrategy):
-            raise CheckpointingException(
-                f"FullyParallelSaveStrategyWrapper wraps a ShardsafeSaveShardedStrategy, not {type(strategy).__name__}"
-            )
-        super().__init__(strategy.backend, strategy.version, allow_pickle=strategy.allow_pickle, knobs=strategy.knobs)
+    For shardsafe's own strategy the engine already spreads them (over the whole job, which
+    includes every ``process_group``), so the wrapper saves exactly as ``strategy`` does. Any
+    other strategy that follows the ``SaveShardedStrategy`` interface (a user's, a test's mock)
+    gets Megatron-Core's treatment: the group agrees on one saving rank per distinct piece
+    (:func:`~shardsafe.megatron.exchange_utils.distribute_shards_to_ranks`), marks it as the main
+    replica there and every other copy as non-main, and calls ``strategy.save``. With
+    ``do_cache_distribution`` the agreement is computed once and kept in ``cached_distribution``.
+    """
+
+    def __init__(self, strategy: SaveShardedStrategy, process_group: Any = None, do_cache_distribution: bool = False) -> None:
+        if isinstance(strategy, ShardsafeSaveShardedStrategy):
+            super().__init__(strategy.backend, strategy.version, allow_pickle=strategy.allow_pickle, knobs=strategy.knobs)
+        else:
+            _check_interface(strategy, ("save",), "FullyParallelSaveStrategyWrapper")
+            super().__init__(getattr(strategy, "backend", "custom"), getattr(strategy, "version", 1))
         self.base_strategy = strategy
         self.parallelization_group = process_group
         self.do_cache_distribution = do_cache_distribution
+        self.cached_distribution: ShardDistribution | None = None
+
+    @property
+    def _ours(self) -> bool:
+        return isinstance(self.base_strategy, ShardsafeSaveShardedStrategy)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return bool(getattr(self.base_strategy, "can_handle_sharded_objects", False))
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
+        if self._ours:
+            return super().save(sharded_state_dict, checkpoint_dir)
+        self.apply_saving_parallelization(sharded_state_dict)
+        return self.base_strategy.save(sharded_state_dict, checkpoint_dir)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
+        if self._ours:
+            return super().async_save(sharded_state_dict, checkpoint_dir)
+        if not hasattr(self.base_strategy, "async_save"):
+            raise CheckpointingException(f"{type(self.base_strategy).__name__} has no async_save: save synchronously")
+        self.apply_saving_parallelization(sharded_state_dict)
+        return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
+
+    def save_all(self, prepare: Any, checkpoint_dir: str | Path, *, validate: bool, background: bool = False) -> Any:
+        if not self._ours:
+            raise CheckpointingException(
+                f"shardsafe.megatron.save writes shardsafe checkpoints only; it cannot drive the wrapped "
+                f"{type(self.base_strategy).__name__}: call the wrapper's save(sharded_state_dict, checkpoint_dir) yourself, "
+                "or wrap ShardsafeSaveShardedStrategy (the default save strategy)"
+            )
+        return super().save_all(prepare, checkpoint_dir, validate=validate, background=background)
+
+    def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
+        """Mark this rank's share of the group's pieces as main replicas (others non-main), in place."""
+        if self.do_cache_distribution and self.cached_distribution is not None:
+            distribution = self.cached_distribution
+        else:
+            distribution = determine_main_replica_uniform_distribution(sharded_state_dict, self.parallelization_group)
+            if self.do_cache_distribution:
+                self.cached_distribution = distribution
+        distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, self.parallelization_group, distribution)
+
+
+def _check_interface(strategy: Any, methods: tuple[str, ...], wrapper: str) -> None:
+    missing = [m for m in methods if not callable(getattr(strategy, m, None))]
+    if missing:
+        raise CheckpointingException(
+            f"{wrapper} wraps a strategy with {', '.join(methods)} (the Megatron-Core strategy interface); "
+            f"{type(strategy).__name__} has no {', '.join(missing)}"
+        )
 
 
 class _Piece(NamedTuple):
@@ -84,27 +158,78 @@ class FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy):
 
     def __init__(
         self,
-        strategy: ShardsafeLoadShardedStrategy,
+        strategy: LoadShardedStrategy,
         parallelization_group: Any = None,
         do_cache_distribution: bool = False,
         exchange_algo: str = "broadcast",
     ) -> None:
-        if not isinstance(strategy, ShardsafeLoadShardedStrategy):
-            raise CheckpointingException(
-                f"FullyParallelLoadStrategyWrapper wraps a ShardsafeLoadShardedStrategy, not {type(strategy).__name__}"
-            )
         if exchange_algo not in _EXCHANGE_ALGOS:
             raise CheckpointingException(
                 f"FullyParallelLoadStrategyWrapper: exchange_algo {exchange_algo!r} is not one of {sorted(_EXCHANGE_ALGOS)}"
             )
-        super().__init__(allow_pickle=strategy.allow_pickle, knobs=strategy.knobs)
+        if isinstance(strategy, ShardsafeLoadShardedStrategy):
+            super().__init__(allow_pickle=strategy.allow_pickle, knobs=strategy.knobs)
+        else:
+            _check_interface(strategy, ("load",), "FullyParallelLoadStrategyWrapper")
+            super().__init__()
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
         self.exchange_algo = _EXCHANGE_ALGOS[exchange_algo]
-        self.cached_distribution: tuple[list[str], _Plan] | None = None
+        self.requested_exchange_algo = exchange_algo
+        self.cached_distribution: Any = None
+        """shardsafe's strategy: the group's agreed readers; any other: a :class:`ShardDistribution`."""
 
-    # what the wrapped strategy knows of its checkpoints (shardsafe's or torch_dist), it still decides
+    @property
+    def _ours(self) -> bool:
+        return isinstance(self.base_strategy, ShardsafeLoadShardedStrategy)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return bool(getattr(self.base_strategy, "can_handle_sharded_objects", False))
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
+        """The wrapped strategy's load, with each distinct piece loaded by one rank of the group."""
+        if self._ours:
+            return super().load(sharded_state_dict, checkpoint_dir)
+        return self._load_any(sharded_state_dict, checkpoint_dir)
+
+    def _load_any(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
+        """Megatron-Core's scheme, for a strategy that is not shardsafe's: agree on one loader per
+        piece, let the wrapped strategy load this rank's share (objects first, then tensors),
+        broadcast each piece from its loader, gather the objects, and fill in the rest."""
+        group = self.parallelization_group if self.parallelization_group is not None else torch.distributed.group.WORLD
+        if torch.distributed.get_world_size(group=group) <= 1:
+            return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
+        if self.do_cache_distribution and self.cached_distribution is not None:
+            distribution = self.cached_distribution
+        else:
+            distribution = determine_main_replica_uniform_distribution(sharded_state_dict, group, ignore_groups=True)
+            if self.do_cache_distribution:
+                self.cached_distribution = distribution
+        distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution)
+        tensors, rest = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
+        objects, rest = extract_matching_values(rest, lambda v: isinstance(v, ShardedObject))
+        if rest:
+            raise CheckpointingException(
+                f"FullyParallelLoadStrategyWrapper loads ShardedTensors and ShardedObjects only; also got {sorted(map(str, rest))}"
+            )
+        own_tensors, other_tensors = _split_by_replica(tensors, ShardedTensor, _sharded_tensor_shard_id)
+        own_objects, other_objects = _split_by_replica(objects, ShardedObject, _sharded_object_id)
+        loaded_objects = self.base_strategy.load(own_objects, checkpoint_dir)
+        loaded_tensors = self.base_strategy.load(own_tensors, checkpoint_dir)
+        every_tensor = exchange_utils.exchange_by_distribution(
+            loaded_tensors, other_tensors, distribution, group, self.requested_exchange_algo
+        )
+        every_object = exchange_utils.exchange_loaded_objects_gather_object(loaded_objects, group)
+        _fill_in(tensors, every_tensor, ShardedTensor, _sharded_tensor_shard_id)
+        _fill_in(objects, every_object, ShardedObject, _sharded_object_id)
+        out: StateDict = {}
+        merge(out, objects)
+        merge(out, tensors)
+        return out
+
+    # what the wrapped strategy knows of its checkpoints (shardsafe's, torch_dist or any other), it still decides
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         self.base_strategy.check_backend_compatibility(loaded_backend)
 
@@ -190,6 +315,32 @@ class FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy):
             for p in sent[r]:  # a large piece straight from the reader's tensor into the others'
                 if p.nbytes >= _DIRECT_BYTES:
                     _broadcast_piece(p, local.get(p), comm.global_ranks[r], r == comm.rank, group, scratch)
+
+
+def _split_by_replica(sharded: ShardedStateDict, kind: type, shard_id: Any) -> tuple[dict, dict]:
+    """Pieces of ``kind`` this rank loads (main replicas) and the ones other ranks load, by id."""
+    own: dict = {}
+    other: dict = {}
+    for v in nested_values(sharded):
+        if isinstance(v, kind):
+            (own if is_main_replica(v.replica_id) else other)[shard_id(v)] = v
+    return own, other
+
+
+def _fill_in(sharded: ShardedStateDict, loaded: dict, kind: type, shard_id: Any) -> None:
+    """Replace each piece of ``kind`` by its loaded value, in place."""
+
+    def fill(v: Any) -> Any:
+        if not isinstance(v, kind):
+            return v
+        try:
+            return loaded[shard_id(v)]
+        except KeyError:
+            raise CheckpointingException(
+                f"{v.key}: piece {shard_id(v)} was not loaded by any rank of the parallelization group"
+            ) from None
+
+    dict_list_map_inplace(fill, sharded)
 
 
 def distribute(per_rank: list[list[_Piece]]) -> _Plan:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from os import PathLike, fspath
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -51,6 +52,7 @@ from ..core import (
     CheckpointingException,
     NotADistributedCheckpointError,
     maybe_load_config,
+    megatron_errors,
     opened,
 )
 from ..dict_utils import dict_list_map_inplace, nested_values
@@ -61,6 +63,7 @@ from ..validation import (
     adjust_non_strict_load,
     check_global_sharding,
     describe_local,
+    log_common_difference,
 )
 from .async_utils import AsyncRequest, request_for
 from .base import (
@@ -117,10 +120,12 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    @megatron_errors
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
         """Save the ShardedTensors and ShardedObjects of ``sharded_state_dict`` (no common state)."""
         self.save_all(lambda: (list(nested_values(sharded_state_dict)), {}, None), checkpoint_dir, validate=False)
 
+    @megatron_errors
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
         """:meth:`save` in the background; the request waits for the commit."""
         pending = self.save_all(lambda: (list(nested_values(sharded_state_dict)), {}, None), checkpoint_dir, validate=False, background=True)
@@ -166,18 +171,16 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
                     common_digest = xxhash.xxh3_64_hexdigest(json.dumps(encoded, sort_keys=True).encode())
                 digest = xxhash.xxh3_64_hexdigest(repr(entries).encode()) if validate else None
                 pieces = {i: _piece(v, saving=True) for i, v in enumerate(values) if isinstance(v, ShardedTensor)}
-                mine.update(values=values, pieces=pieces, entries=entries, digest=digest, common=common_digest)
+                mine.update(values=values, pieces=pieces, entries=entries, digest=digest, common=common_digest, common_check=common_check)
             send = validate and (full or _CHECKED_BY_RANK.get(group) != mine["digest"])
             return _Sent(mine["entries"] if send else None, mine["digest"], mine["common"])
 
-        def check(gathered: list[_Sent]) -> list[list[int] | None]:
+        def check(gathered: list[_Sent]) -> list[tuple[list[int] | None, bool]]:
             comm.raise_failures(gathered)
-            differ = [comm.global_ranks[r] for r, g in enumerate(gathered) if g.common != gathered[0].common]
-            if differ:
-                log.warning(
-                    "%s: the common state of rank(s) %s differs from rank 0's, which is the one saved (pass "
-                    "preprocess_common_before_consistancy_check to leave out what may differ)", checkpoint_dir, differ,
-                )
+            differ = any(g.common != gathered[0].common for g in gathered)  # each such rank logs how, below
+            return [(c, differ) for c in check_sharding(gathered)]
+
+        def check_sharding(gathered: list[_Sent]) -> list[list[int] | None]:
             if not validate:
                 return [[] for _ in gathered]
             digests = [g.digest for g in gathered]
@@ -201,13 +204,17 @@ class ShardsafeSaveShardedStrategy(AsyncSaveShardedStrategy):
 
         for full in (False, True):
             gathered = comm.gather(lambda full=full: describe(full))
-            got = comm.scatter(lambda gathered=gathered: check(gathered))  # type: ignore[arg-type]
+            got, common_differs = comm.scatter(lambda gathered=gathered: check(gathered))  # type: ignore[arg-type]
             if got is not None:
                 break
         else:  # every rank sent all it has and the coordinator still lacks some: a rank did not validate
             raise CheckpointingException(
                 f"{checkpoint_dir}: the ranks passed different validate_access_integrity values to one save; pass the same on every rank"
             )
+        if common_differs:  # rank 0's (the saved one) travels only then; each differing rank logs its difference
+            rank0_common = comm.broadcast(lambda: mine["common_check"])
+            if not comm.is_coordinator and mine["common"] is not None:
+                log_common_difference(comm.global_rank, rank0_common, mine["common_check"])
         if validate:
             _CHECKED_BY_RANK[group] = mine["digest"]
         copies = set(got)
@@ -249,6 +256,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 f"the checkpoint's sharded backend version is {loaded_version}, newer than this shardsafe reads ({FORMAT_VERSION}); upgrade shardsafe"
             )
 
+    @megatron_errors
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
         """The ShardedTensors and ShardedObjects of ``sharded_state_dict``, loaded (tensors in place)."""
         comm = get_comm(call="shardsafe.megatron.load")
@@ -258,6 +266,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         )
         return loaded
 
+    @megatron_errors
     def load_common(self, checkpoint_dir: str | Path) -> StateDict:
         """The common state (no process group needed)."""
         return self.common_of(read_metadata(checkpoint_dir, no_dist=True), checkpoint_dir)
@@ -278,20 +287,24 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
             raise CheckpointingException(f"{checkpoint_dir}: the stored common state is a {type(common).__name__}, not a dict")
         return common
 
+    @megatron_errors
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> Any:
         """Replace every ShardedObject by its stored value, in place (no process group needed)."""
         meta = read_metadata(checkpoint_dir, no_dist=True)
         return dict_list_map_inplace(lambda v: self._object(v, meta, checkpoint_dir), sharded_objects_state_dict)
 
+    @megatron_errors
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
         """Every stored tensor as an unsharded ShardedTensor without data, by key."""
         meta = read_metadata(checkpoint_dir, no_dist=True)
         return tensors_metadata(meta)
 
+    @megatron_errors
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
         """Every stored tensor (by key) and ShardedObject (by unique key), without data."""
         return sharded_metadata(read_metadata(checkpoint_dir, no_dist=True))
 
+    @megatron_errors
     def remove_sharded_tensors(self, checkpoint_dir: str | Path, key_prefix: str) -> None:
         """Remove the tensors whose key starts with ``key_prefix``: commit a ``metadata.json``
         without them (atomically), then delete the data files no tensor is left in. Not collective:
@@ -347,7 +360,7 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
             prepared["unexpected"] = unexpected
             prepared["sharded"] = sharded_state_dict
-            prepared["targets"], prepared["objects"] = self._targets(sharded_state_dict, meta, checkpoint_dir)
+            prepared["targets"], prepared["objects"], prepared["casts"] = self._targets(sharded_state_dict, meta, checkpoint_dir)
             return (requested if need_global else None), sorted(unexpected)
 
         raising = strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL)
@@ -380,6 +393,8 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         if strict == StrictHandling.IGNORE_ALL:
             missing, unexpected = set(), set()
         self.read_targets(checkpoint_dir, prepared["targets"], meta)
+        for stored_dtype, requested in prepared["casts"]:
+            requested.copy_(stored_dtype)
         objects = prepared["objects"]
 
         def result(v: Any) -> Any:
@@ -400,11 +415,14 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
 
     def _targets(
         self, sharded_state_dict: ShardedStateDict, meta: StorageMetadata, checkpoint_dir: Any
-    ) -> tuple[dict[str, Any], dict[int, Any]]:
+    ) -> tuple[dict[str, Any], dict[int, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
         """The engine's targets, a piece per ShardedTensor sharing its ``data`` (allocated if
-        None), and the ShardedObjects' values by ``id`` (decoded now: errors come before any read)."""
+        None), the ShardedObjects' values by ``id`` (decoded now: errors come before any read),
+        and ``(read, requested)`` for each tensor stored in another dtype than requested: it is read
+        as stored and cast into the requested tensor after the load, as Megatron-Core's loads cast."""
         targets: dict[str, Any] = {}
         objects: dict[int, Any] = {}
+        casts: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, v in enumerate(nested_values(sharded_state_dict)):
             if isinstance(v, ShardedObject):
                 objects[id(v)] = self._object(v, meta, checkpoint_dir)
@@ -414,10 +432,15 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 elif v.allow_shape_mismatch:
                     v.data.zero_()
                 stored = meta.tensors.get(v.key)
-                piece = _piece(v, saving=False, stored_shape=stored.shape if stored is not None else None)
+                into = v
+                if stored is not None and stored.torch_dtype != v.data.dtype:  # read as stored, cast after (as Megatron-Core's DCP load does)
+                    blank = torch.zeros_like if v.allow_shape_mismatch else torch.empty_like  # padding outside the stored shape stays 0
+                    into = replace(v, data=blank(v.data, dtype=stored.torch_dtype), dtype=stored.torch_dtype)
+                    casts.append((into.data, v.data))
+                piece = _piece(into, saving=False, stored_shape=stored.shape if stored is not None else None)
                 if piece is not None:
                     targets[f"{v.key}[{i}]"] = piece
-        return targets, objects
+        return targets, objects, casts
 
     def _object(self, v: Any, meta: StorageMetadata, checkpoint_dir: Any) -> Any:
         if not isinstance(v, ShardedObject):
@@ -502,15 +525,34 @@ def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool, comm: Comm | Non
             "default sharded_strategy); other Megatron formats load with megatron.core.dist_checkpointing"
         ) from e
     except IncompleteCheckpointError as e:
+        local = isinstance(checkpoint_dir, (str, PathLike)) and "://" not in fspath(checkpoint_dir)
+        if local and not os.path.exists(checkpoint_dir):  # Megatron-Core's words for it
+            raise NotADistributedCheckpointError(f"Checkpoint directory {checkpoint_dir} does not exist") from e
         raise NotADistributedCheckpointError(f"{checkpoint_dir} is not a distributed checkpoint: {e}") from e
 
 
 def tensors_metadata(meta: StorageMetadata) -> ShardedStateDict:
-    """Every stored tensor as an unsharded ShardedTensor without data, by key."""
+    """Every stored tensor as an unsharded ShardedTensor without data, by key. A tensor of more
+    than one dimension saved in flattened ranges (a distributed optimizer's state) is described
+    as Megatron-Core describes it: its whole range, ``flattened_range=slice(0, numel)``, so that
+    loading the description returns the 1-D flattening."""
     out: ShardedStateDict = {}
     for key, t in meta.tensors.items():
-        out[key] = ShardedTensor.from_rank_offsets(key, torch.empty(t.shape, dtype=t.torch_dtype, device="meta")).without_data()
+        whole = torch.empty(t.shape, dtype=t.torch_dtype, device="meta")
+        if len(t.shape) > 1 and _saved_flattened(t):
+            st = ShardedTensor.from_rank_offsets_flat(key, whole.flatten(), whole.shape, flattened_range=slice(0, whole.numel()))
+        else:
+            st = ShardedTensor.from_rank_offsets(key, whole)
+        out[key] = st.without_data()
     return out
+
+
+def _saved_flattened(t: Any) -> bool:
+    """Whether any stored chunk of ``t`` is a flattened range (a v3 chunk table has ``flat`` only then)."""
+    table = getattr(t, "_table", None)
+    if table is not None:
+        return table.flat is not None
+    return any(spec.flattened_range is not None for _, spec in t.chunks())
 
 
 def sharded_metadata(meta: StorageMetadata) -> ShardedStateDict:
