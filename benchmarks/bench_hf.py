@@ -63,7 +63,8 @@ sys.path.insert(0, _REPO)
 
 from iobench.harness import PeakRSS, trim_heap, warm_cache  # noqa: E402
 from iobench.report import machine, replace_section  # noqa: E402
-from tests.distributed import _CTX, run_ranks  # noqa: E402  (a forkserver with torch imported)
+from tests.helpers import CTX as _CTX  # noqa: E402  (a forkserver with torch imported)
+from tests.helpers import run_ranks  # noqa: E402
 
 _MiB = 1 << 20
 BEGIN, END = "<!-- bench-hf:begin -->", "<!-- bench-hf:end -->"

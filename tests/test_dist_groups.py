@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from shardsafe import Checkpointer, CheckpointError
 from shardsafe.knobs import KNOBS
-from tests.distributed import run_ranks
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.xdist_group("dist_groups")
 

@@ -23,7 +23,7 @@ import torch
 from shardsafe.errors import ShapeMismatchError
 from shardsafe.megatron import CheckpointingException, ShardedObject, ShardedTensor, load, load_tensors_metadata, save
 
-from .distributed import run_ranks
+from .helpers import run_ranks
 
 # find_spec, not an import: importing megatron.core would import its dist_checkpointing in every rank
 # process that unpickles a function of this module, before the function could install the alias

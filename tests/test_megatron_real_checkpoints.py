@@ -28,7 +28,7 @@ from shardsafe.megatron import (
     load,
     load_common_state_dict,
 )
-from tests.distributed import run_ranks
+from tests.helpers import run_ranks
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 

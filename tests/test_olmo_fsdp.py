@@ -15,7 +15,7 @@ import os
 import torch
 
 import shardsafe
-from tests.distributed import run_ranks
+from tests.helpers import run_ranks
 
 
 def _model(seed: int) -> torch.nn.Module:

@@ -331,7 +331,7 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
 
     import torch
 
-    from .engine.consolidate import unshard_to_safetensors
+    from .api import unshard_to_safetensors
 
     if args.config is not None and args.max_shard_size is None:
         raise _usage_error("--config writes config.json into a folder: pass --max-shard-size as well (5GB is transformers' default)")

@@ -49,8 +49,8 @@ from .errors import CheckpointError, CollectiveError, MissingRanksError
 from .knobs import KNOBS
 
 __all__ = [
-    "Comm", "Failed", "RankFailure", "background_comm", "collective_counts", "get_comm", "group_timeout_s", "raise_failures",
-    "wait_limit",
+    "Comm", "Failed", "RankFailure", "all_gather_objects", "background_comm", "broadcast_in", "collective_counts", "get_comm",
+    "group_rank", "group_size", "group_timeout_s", "raise_failures", "uses_nccl", "wait_limit",
 ]
 
 T = TypeVar("T")
@@ -420,6 +420,21 @@ class Comm:
         whole[head:] = rest
         return self._loads(_view(whole, n), 0)
 
+    # --- tensors of the caller's ------------------------------------------------------------------
+
+    def all_gather_tensors(self, bufs: list[torch.Tensor], mine: torch.Tensor) -> None:
+        """Fill ``bufs[r]`` with rank ``r``'s ``mine`` (CPU tensors of one size), over the CPU
+        transport of this comm's group."""
+        group = self._cpu_group()
+        self._count("all_gather")
+        self._run("all_gather", lambda: dist.all_gather(bufs, mine, group=group, async_op=True), [*bufs, mine])
+
+    def broadcast_tensor(self, buf: torch.Tensor, src: int) -> None:
+        """Fill ``buf`` on every rank with rank ``src``'s (a rank of this comm, from 0)."""
+        group, global_src = self._cpu_group(), self.global_ranks[src]
+        self._count("broadcast")
+        self._run("broadcast", lambda: dist.broadcast(buf, src=global_src, group=group, async_op=True), [buf])
+
     # --- arrival ------------------------------------------------------------------------------------
 
     def arrive(self, timeout_s: float) -> None:
@@ -553,6 +568,36 @@ def _wait_for_key(store: Any, blocking: bool, key: str, timeout_s: float) -> Non
 _GAVE_UP = b"gave up:"  # an arrival's verdict is "ok", "timeout", or this and why (Comm.abandon)
 _ARRIVALS: dict[str, int] = {}  # process group name -> arrival checks so far (the same on every rank)
 _SIDE_GROUPS: dict[Any, dist.ProcessGroup] = {}  # process group -> its gloo group, for groups without CPU support
+
+
+# --- a caller's own process group, for the integrations that take one (Megatron's exchange utilities)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (None: the whole job)."""
+    return dist.get_rank(group=group)
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """The number of ranks of ``group`` (None: the whole job)."""
+    return dist.get_world_size(group=group)
+
+
+def uses_nccl(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group``'s backend is NCCL (its tensors live on the GPU)."""
+    return "nccl" in str(dist.get_backend(group))
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj`` of ``group``, in rank order (pickled by torch: objects this job made)."""
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_in(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
+    """Broadcast ``tensor`` from the rank ``src`` of ``group`` (None: the whole job)."""
+    dist.broadcast(tensor, src=src if group is None else dist.get_global_rank(group, src), group=group)
 
 
 def group_timeout_s(group: dist.ProcessGroup | None) -> float | None:

@@ -160,7 +160,7 @@ def _committed(root: str, asynchronous: bool) -> tuple[list[int], int | None]:
 
 def _run_job(world: int, root: str, plan: dict[str, Any], delay: float | None, timeout: float) -> str:
     """Run the job to its end or its kill: "killed", "finished", "hang" or "child-error"."""
-    from ..distributed import free_port
+    from ..helpers import free_port
 
     port = free_port()
     procs = [CONTEXT.Process(target=job, args=(r, world, port, root, plan), daemon=True) for r in range(world)]

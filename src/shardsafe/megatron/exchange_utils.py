@@ -16,8 +16,8 @@ from collections import defaultdict
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-import torch.distributed
 
+from ..dist import all_gather_objects, broadcast_in, group_rank, group_size, uses_nccl
 from .core import CheckpointingException
 from .dict_utils import nested_values
 from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
@@ -53,11 +53,11 @@ class ShardDistribution(NamedTuple):
 
 
 def _group_rank(group: Any) -> int:
-    return torch.distributed.get_rank(group=group)
+    return group_rank(group)
 
 
 def _group_size(group: Any) -> int:
-    return torch.distributed.get_world_size(group=group)
+    return group_size(group)
 
 
 def _shard_size(sh_ten: ShardedTensor) -> int:
@@ -101,13 +101,12 @@ def determine_main_replica_uniform_distribution(
     one rank (None for a group of one rank). A save (``ignore_groups=False``) handles only the
     pieces whose main replica is in the group; a load (``ignore_groups=True``) every requested
     piece, those whose main replica is elsewhere assigned last."""
-    group = parallelization_group if parallelization_group is not None else torch.distributed.group.WORLD
+    group = parallelization_group
     size = _group_size(group)
     if size <= 1:
         return None
     local = [v.without_data() for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
-    gathered: list[Any] = [None] * size
-    torch.distributed.all_gather_object(gathered, local, group=group)
+    gathered = all_gather_objects(local, group)
     shard_to_ranks: dict[_ShardId, list[int]] = defaultdict(list)
     sizes: dict[_ShardId, int] = {}
     metadata: dict[_ShardId, ShardedTensor] = {}
@@ -133,7 +132,7 @@ def distribute_main_replicas_with_precomputed_distribution(
 ) -> None:
     """Mark this rank's assigned pieces as main replicas (``replica_id`` 0) and every other piece
     as a non-main one (1), in place."""
-    group = parallelization_group if parallelization_group is not None else torch.distributed.group.WORLD
+    group = parallelization_group
     if _group_size(group) <= 1:
         return
     if precomputed_distribution is None:
@@ -148,8 +147,7 @@ def distribute_main_replicas_with_precomputed_distribution(
 
 def _exchange_device(group: Any) -> torch.device:
     """Where exchanged tensors live: the GPU for an NCCL group, else the CPU."""
-    backend = str(torch.distributed.get_backend(group))
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
 
 
 def _get_empty_tensor_for_exchange(
@@ -191,7 +189,7 @@ def exchange_by_distribution(
     """
     if exchange_algo not in _ALGOS:
         raise CheckpointingException(f"exchange_algo {exchange_algo!r} is not one of {list(_ALGOS)}")
-    group = parallelization_group if parallelization_group is not None else torch.distributed.group.WORLD
+    group = parallelization_group
     me = _group_rank(group)
     device = _exchange_device(group)
     out = dict(loaded_tensors)
@@ -208,8 +206,7 @@ def exchange_by_distribution(
             tensor = out[sid].to(device)
         else:
             tensor, orig_device = _get_empty_tensor_for_exchange(sid, unloaded_shards, shard_distribution.shard_to_metadata, out, device)
-        global_src = src if group is torch.distributed.group.WORLD else torch.distributed.get_global_rank(group, src)
-        torch.distributed.broadcast(tensor, src=global_src, group=group)
+        broadcast_in(tensor, src, group)
         if orig_device is not None:
             out[sid] = tensor.to(orig_device)
     return out
@@ -217,9 +214,8 @@ def exchange_by_distribution(
 
 def exchange_loaded_objects_gather_object(loaded_objects: dict[_ShardId, Any], parallelization_group: Any = None) -> dict[_ShardId, Any]:
     """Every rank's loaded objects, merged (one all-gather of Python objects)."""
-    group = parallelization_group if parallelization_group is not None else torch.distributed.group.WORLD
-    gathered: list[Any] = [None] * _group_size(group)
-    torch.distributed.all_gather_object(gathered, loaded_objects, group=group)
+    group = parallelization_group
+    gathered = all_gather_objects(loaded_objects, group)
     out: dict[_ShardId, Any] = {}
     for part in gathered:
         out.update(part)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 import xxhash
 
 from ... import adapters
@@ -288,7 +287,6 @@ class FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy):
         return plan
 
     def _exchange(self, comm: Comm, plan: _Plan, local: dict[_Piece, adapters.ShardedTensor]) -> None:
-        group = comm._cpu_group()
         sent = [[p for p in sorted(plan.reader) if plan.reader[p] == r and len(plan.wanted[p]) > 1] for r in range(comm.world_size)]
         if self.exchange_algo == "all_gather":
             width = max(plan.sizes)
@@ -297,7 +295,7 @@ class FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy):
             bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(comm.world_size)]
             mine = bufs[comm.rank]
             _pack(mine, sent[comm.rank], local)
-            dist.all_gather(bufs, mine.clone(), group=group)
+            comm.all_gather_tensors(bufs, mine.clone())
             for r in range(comm.world_size):
                 if r != comm.rank:
                     _unpack(bufs[r], sent[r], local)
@@ -309,12 +307,12 @@ class FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy):
                 buf = torch.empty(sum(_aligned(p.nbytes) for p in small), dtype=torch.uint8)
                 if r == comm.rank:
                     _pack(buf, small, local)
-                dist.broadcast(buf, src=comm.global_ranks[r], group=group)
+                comm.broadcast_tensor(buf, r)
                 if r != comm.rank:
                     _unpack(buf, small, local)
             for p in sent[r]:  # a large piece straight from the reader's tensor into the others'
                 if p.nbytes >= _DIRECT_BYTES:
-                    _broadcast_piece(p, local.get(p), comm.global_ranks[r], r == comm.rank, group, scratch)
+                    _broadcast_piece(p, local.get(p), comm, r, r == comm.rank, scratch)
 
 
 def _split_by_replica(sharded: ShardedStateDict, kind: type, shard_id: Any) -> tuple[dict, dict]:
@@ -382,7 +380,7 @@ def _pack(buf: torch.Tensor, pieces: list[_Piece], local: dict[_Piece, adapters.
 
 
 def _broadcast_piece(
-    p: _Piece, t: adapters.ShardedTensor | None, src: int, sending: bool, group: Any, scratch: list[torch.Tensor]
+    p: _Piece, t: adapters.ShardedTensor | None, comm: Comm, src: int, sending: bool, scratch: list[torch.Tensor]
 ) -> None:
     """Broadcast piece ``p`` from its reader ``src`` (``sending`` on the reader): the bytes of
     ``t.data`` where it is contiguous, through a buffer where it is not or where this rank does not
@@ -397,7 +395,7 @@ def _broadcast_piece(
         buf = scratch[0][: p.nbytes]
         if sending:
             buf.view(data.dtype).view(data.shape).copy_(data)  # type: ignore[union-attr]
-    dist.broadcast(buf, src=src, group=group)
+    comm.broadcast_tensor(buf, src)
     if not sending and not direct and data is not None:
         data.copy_(buf.view(data.dtype).view(data.shape))
 
