@@ -1,30 +1,41 @@
 # Two entry points on a fresh machine: `make demo` and `make test`. Each creates .venv itself and
-# installs through constraints.txt, which pins torch to the local CPU build.
+# installs through constraints.txt, which pins torch to the local CPU build. `make demo` installs the
+# package and its runtime dependencies only; `make test` adds the test and dev extras (megatron-core,
+# lightning, transformers, moto, ruff, ...) and Azurite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-reshard test reliability lint bench-plan clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(RUNTIME_STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e .
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,dev]"
 # Azurite (Azure Blob emulator) for the object-store tests; without npm those tests are skipped
 	if command -v npm >/dev/null 2>&1; then npm install --silent --no-save --no-audit --no-fund --prefix $(VENV)/azurite azurite@3.35.0 || echo "warning: npm could not install azurite: the Azure tests will be skipped"; else echo "warning: npm not found: the Azure tests will be skipped"; fi
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(PY) examples/train_demo.py
+# the demo's checkpoints and its export stay in demo-output/ (cleared first: the demo resumes from what it finds)
+DEMO_DIR := demo-output
 
-demo-reshard: $(STAMP)
+demo: $(RUNTIME_STAMP)
+	rm -rf $(DEMO_DIR)
+	$(PY) examples/train_demo.py --workdir $(DEMO_DIR)
+
+demo-reshard: $(RUNTIME_STAMP)
 	$(PY) examples/reshard_demo.py
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n 2 --dist loadgroup tests
 
-# kill -9, corruption, metadata fuzzing and racing jobs, hundreds of trials each (about 10 minutes);
+# kill -9, corruption, metadata fuzzing, racing jobs and the step manager, hundreds of trials each;
 # `make test` runs a fast seeded subset of the same campaigns
 reliability: $(STAMP)
 	$(PY) -m tests.reliability --full
@@ -37,7 +48,7 @@ bench-plan: $(STAMP)
 	$(PY) benchmarks/bench_planner.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis $(DEMO_DIR)
 
 # I/O benchmarks: shardsafe against DCP, torch.save, safetensors and the raw limit, in one run
 .PHONY: bench bench-quick

@@ -154,7 +154,8 @@ def export_and_check(root: str, final_batch: int, final_loss: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory, removed)")
+    ap.add_argument("--workdir", default=None, help="where the checkpoints and the export go, kept (make demo: demo-output); "
+                    "default: a temporary directory, removed at the end")
     ap.add_argument("--_worker", nargs=4, metavar=("ROOT", "LAST", "CRASH", "LOG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._worker:
@@ -217,8 +218,11 @@ def main() -> int:
           f"{export['before']:.5f} before its update, {export['loss']:.5f} after")
     print(f"total {time.perf_counter() - t_start:.0f} s")
     ok = worst < 1e-4 and export["loss"] < export["before"]
-    if not args.workdir:
+    if args.workdir:
+        print(f"kept: the checkpoints in {root}, the export in {export['file']}")
+    else:
         shutil.rmtree(work, ignore_errors=True)
+        print(f"removed {work} (the checkpoints and the export): pass --workdir DIR to keep them")
     print("OK: resumed runs repeat the crashed runs' losses; the export loads into a plain model" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "shardsafe"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify"])  # shardsafe imports its parts on first use
 
 
 _PORTS = (20000, 32000)  # below the kernel's ephemeral range (32768-60999 here), which client sockets take ports from

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -405,9 +406,9 @@ def test_not_a_committed_checkpoint(tmp_path):
     shardsafe.save_model_and_optim_state(str(interrupted), model)
     os.remove(interrupted / "metadata.json")  # the data is there, the commit is not
     for where, what in (
-        (empty, "is empty or missing"),
-        (tmp_path / "absent", "is empty or missing"),
-        (interrupted, r"holds \d+ file"),
+        (empty, "not a checkpoint: nothing is there (an empty directory, or no object under this prefix); a checkpoint holds metadata.json"),
+        (tmp_path / "absent", "no such checkpoint: the directory does not exist (is the path mistyped?)"),
+        (interrupted, r"not a committed checkpoint: it holds \d+ file\(s\) but has no metadata.json"),
     ):
         for call in (
             functools.partial(shardsafe.load_model_and_optim_state, str(where), model),
@@ -415,7 +416,7 @@ def test_not_a_committed_checkpoint(tmp_path):
             functools.partial(shardsafe.unshard_optim_state, str(where)),
         ):
             with pytest.raises(
-                shardsafe.IncompleteCheckpointError, match=f"not a committed checkpoint: it {what}.* metadata.json"
+                shardsafe.IncompleteCheckpointError, match=f"^{re.escape(str(where))}: {what}"
             ):
                 call()
 

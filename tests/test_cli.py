@@ -126,7 +126,7 @@ def test_inspect_json_in_a_subprocess(ckpt):
 def test_missing_and_non_checkpoint_folders_exit_2_with_the_message(tmp_path):
     r = cli("inspect", tmp_path / "nope")
     assert (r.returncode, r.stdout) == (2, "")
-    assert r.stderr == f"shardsafe inspect: error: {tmp_path / 'nope'}: not a committed checkpoint: it is empty or missing, and has no metadata.json (was the save interrupted before it committed?)\n"
+    assert r.stderr == f"shardsafe inspect: error: {tmp_path / 'nope'}: no such checkpoint: the directory does not exist (is the path mistyped?)\n"
 
 
 def test_non_checkpoint_folder_and_debug(tmp_path, capsys):
@@ -134,7 +134,10 @@ def test_non_checkpoint_folder_and_debug(tmp_path, capsys):
     (tmp_path / "other" / "notes.txt").write_text("hi")
     assert main(["verify", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"shardsafe verify: error: {tmp_path / 'other'}: not a committed checkpoint: it holds 1 file(s) but has no metadata.json")
+    assert err == (
+        f"shardsafe verify: error: {tmp_path / 'other'}: not a checkpoint: it holds 1 file(s) (notes.txt; kinds: txt) and none of "
+        "a checkpoint's: no metadata.json and no shard-r*.safetensors data file. Point at the directory a save wrote (it holds metadata.json)\n"
+    )
     assert main(["verify", str(tmp_path / "other"), "--debug"]) == 2  # --debug: the traceback too, the same exit status
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):\n") and "shardsafe.errors.IncompleteCheckpointError: " in err
@@ -262,6 +265,22 @@ def test_diff_reports_keys_shapes_dtypes_values(tmp_path, capsys):
     assert capsys.readouterr().out == "no differences in keys, shapes, dtypes and values (3 tensors; tensor values equal within atol 0)\n"
 
 
+def test_diff_shows_the_differing_leaf_of_a_value(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    long = "x" * 80  # a value longer than a line: the old output cut it off before the change
+    loop = {"tensors": 0, "state": {"note": long, "pos": 30}, "groups": [{"lr": 0.1, "wd": 0.0}]}
+    Checkpointer().save(a, {"w": torch.zeros(2), "loop": loop})
+    changed = {"tensors": 0, "state": {"note": long, "pos": 32}, "groups": [{"lr": 0.2, "wd": 0.0}, {"lr": 1}]}
+    Checkpointer().save(b, {"w": torch.zeros(2), "loop": changed})
+    assert main(["diff", str(a), str(b)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "value          loop  groups[0].lr: 0.1 -> 0.2",
+        'value          loop  groups[1]: (absent) -> {"lr":1}',
+        "value          loop  state.pos: 30 -> 32",
+        "A and B differ (1 common tensors)",
+    ]
+
+
 def test_diff_atol(tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     s = _state(0)
@@ -287,7 +306,31 @@ def test_export_one_file_with_prefix_and_dtype(ckpt, tmp_path, capsys):
     assert torch.equal(got["b"], s["model.b"])  # integers are not cast
     assert torch.equal(got["h"], s["model.h"])
     assert main(["export", str(ckpt), str(out)]) == 2
-    assert capsys.readouterr().err == f"shardsafe export: error: {out}: file exists; pass overwrite=True to replace it\n"
+    assert capsys.readouterr().err == f"shardsafe export: error: {out}: file exists; pass --overwrite to replace it\n"  # the flag
+
+
+def test_export_without_prefix_writes_the_models_keys_and_says_what_was_left_out(tmp_path, capsys):
+    import shardsafe
+
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    ckpt = tmp_path / "ckpt"
+    shardsafe.save_model_and_optim_state(str(ckpt), model, optim)
+    out = tmp_path / "m.safetensors"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    assert capsys.readouterr().out == (
+        f"exported 2 tensors (60 B) to {out}\n"
+        "the model's keys (model.*, written without 'model.'); left out: 8 under optim. (--prefix '' exports every key)\n"
+    )
+    got = safetensors.torch.load_file(out)
+    assert sorted(got) == ["bias", "weight"]  # not optim.state.*, not model.-prefixed
+    assert torch.equal(got["weight"], model.weight.detach()) and torch.equal(got["bias"], model.bias.detach())
+    assert main(["export", str(ckpt), str(tmp_path / "all.safetensors"), "--prefix", "", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["prefix"], doc["left_out"], doc["tensors"]) == (None, {}, 8)  # 2 model + 6 optimizer tensors, as stored
+    assert sorted(safetensors.torch.load_file(tmp_path / "all.safetensors"))[:3] == ["model.bias", "model.weight", "optim.state.bias.exp_avg"]
 
 
 def _big_state() -> dict[str, torch.Tensor]:
@@ -300,7 +343,7 @@ def test_export_sharded_folder_loads_with_safetensors(tmp_path, capsys):
     state = _big_state()
     Checkpointer().save(d, state)
     out = tmp_path / "hf"
-    assert main(["export", str(d), str(out), "--max-shard-size", "20KB", "--json"]) == 0
+    assert main(["export", str(d), str(out), "--max-shard-size", "20KB", "--json", "--prefix", ""]) == 0  # every key, as stored
     assert json.loads(capsys.readouterr().out)["files"] == 3
     names = sorted(p.name for p in out.iterdir())
     assert names == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
@@ -314,11 +357,11 @@ def test_export_sharded_folder_loads_with_safetensors(tmp_path, capsys):
             assert index["weight_map"][key] == name
             assert torch.equal(t, state[key])
     # an export with one shard replaces it with model.safetensors, removing the old files
-    assert main(["export", str(d), str(out), "--max-shard-size", "5GB", "--overwrite", "-q"]) == 0
+    assert main(["export", str(d), str(out), "--max-shard-size", "5GB", "--overwrite", "-q", "--prefix", ""]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     got = safetensors.torch.load_file(out / "model.safetensors")
     assert all(torch.equal(got[k], v) for k, v in state.items())
-    assert main(["export", str(d), str(out), "--max-shard-size", "5GB", "-q"]) == 2
+    assert main(["export", str(d), str(out), "--max-shard-size", "5GB", "-q", "--prefix", ""]) == 2
 
 
 def test_parse_size():
@@ -373,6 +416,62 @@ def test_convert_torch_and_hf_report_progress(tmp_path, capsys):
     assert Checkpointer().unshard(tmp_path / "convert_torch")["empty"].shape == (0, 3)
     convert_hf(tmp_path / "m.safetensors", tmp_path / "bar", progress=True)
     assert "convert_hf" in capsys.readouterr().err  # the tqdm bar
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_convert_detects_the_format_as_inspect_does(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    state = _big_state()
+    torch.save(state, tmp_path / "sd.pt")
+    safetensors.torch.save_file(state, tmp_path / "m.safetensors")
+    dcp.save({"model": dict(state)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for src, kind, prefix in (("sd.pt", "torch", None), ("m.safetensors", "hf", None), ("dcp", "dcp", "model.")):
+        dst = tmp_path / f"from-{kind}"
+        assert main(["convert", str(tmp_path / src), str(dst)]) == 0  # no --from
+        assert capsys.readouterr().out == f"converted 6 tensors and 0 values from {kind} (detected; --from overrides) {tmp_path / src} to {dst}\n"
+        got = Checkpointer().unshard(dst, prefix=prefix)
+        assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+    assert main(["convert", str(tmp_path / "from-hf"), str(tmp_path / "again")]) == 2
+    assert capsys.readouterr().err == (
+        f"shardsafe convert: error: {tmp_path / 'from-hf'}: this is a shardsafe checkpoint already (it holds metadata.json): "
+        "nothing to convert; inspect, verify and export read it as it is\n"
+    )
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "train.py").write_text("print()")
+    assert main(["convert", str(tmp_path / "code"), str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.endswith("; cannot tell what to convert from: pass --from dcp, megatron, torch or hf\n")
+
+
+def test_messages_name_what_is_there(tmp_path, capsys):
+    (tmp_path / "code").mkdir()
+    for name in ("model.py", "train.py", "utils.py"):
+        (tmp_path / "code" / name).write_text("pass\n")
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    expected = {
+        tmp_path / "chekpoint": "no such checkpoint: the directory does not exist (is the path mistyped?)",
+        tmp_path / "code": "not a checkpoint: it holds 3 file(s) (model.py, train.py, utils.py; kinds: py) and none of a "
+        "checkpoint's: no metadata.json and no shard-r*.safetensors data file. Point at the directory a save wrote (it holds metadata.json)",
+        tmp_path / "w.pt": "this is a torch.save file (a zip archive holding data.pkl), not a shardsafe checkpoint (a directory "
+        f"with metadata.json): convert it with `shardsafe convert {tmp_path / 'w.pt'} DST --from torch` or "
+        f"shardsafe.convert.convert_torch('{tmp_path / 'w.pt'}', dst) (read with torch.load(weights_only=True); nothing else is unpickled)",
+    }
+    for where, message in expected.items():
+        assert main(["inspect", str(where)]) == 2
+        assert capsys.readouterr().err == f"shardsafe inspect: error: {where}: {message}\n"
+    with pytest.raises(shardsafe.ForeignCheckpointError):
+        Checkpointer().get_metadata(tmp_path / "w.pt", no_dist=True)
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys\nfrom shardsafe.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "try:\n    main(['export', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.splitlines()[-1] == "[]"
+    assert "usage: shardsafe export" in r.stdout
 
 
 class _Evil:

@@ -105,12 +105,12 @@ def test_missing_and_non_checkpoint_folders_exit_2_with_the_message(tmp_path, ca
     r, missing = run_all([("verify", tmp_path / "other"), ("inspect", tmp_path / "nope")])
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr == (
-        f"shardsafe verify: error: {tmp_path / 'other'}: not a committed checkpoint: it holds 1 file(s) but has no metadata.json"
-        + r.stderr.split("has no metadata.json", 1)[1]
+        f"shardsafe verify: error: {tmp_path / 'other'}: not a checkpoint: it holds 1 file(s) (notes.txt; kinds: txt) and none of "
+        "a checkpoint's: no metadata.json and no shard-r*.safetensors data file. Point at the directory a save wrote (it holds metadata.json)\n"
     )
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert (missing.returncode, missing.stdout) == (2, "")
-    assert missing.stderr.startswith(f"shardsafe inspect: error: {tmp_path / 'nope'}: not a committed checkpoint: it is empty or missing")
+    assert missing.stderr == f"shardsafe inspect: error: {tmp_path / 'nope'}: no such checkpoint: the directory does not exist (is the path mistyped?)\n"
     with pytest.raises(SystemExit) as e:  # a usage error: argparse's message, exit 2 (in this process: the same parser)
         main(["inspect"])
     assert e.value.code == 2 and "the following arguments are required: dir" in capsys.readouterr().err
@@ -121,8 +121,7 @@ def test_debug_prints_the_traceback_and_still_exits_2(tmp_path):
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr.startswith("Traceback (most recent call last):\n")
     assert "shardsafe.errors.IncompleteCheckpointError: " in r.stderr
-    assert r.stderr.endswith(f"shardsafe verify: error: {tmp_path / 'nope'}: not a committed checkpoint: it is empty or missing, "
-                             "and has no metadata.json (was the save interrupted before it committed?)\n")
+    assert r.stderr.endswith(f"shardsafe verify: error: {tmp_path / 'nope'}: no such checkpoint: the directory does not exist (is the path mistyped?)\n")
 
 
 # ------------------------------------------------------------------ on S3

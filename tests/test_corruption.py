@@ -218,8 +218,11 @@ def test_missing_metadata_is_incomplete(saved: str, op: str) -> None:
 
 @pytest.mark.parametrize("op", list(_OPERATIONS))
 def test_nonexistent_location_is_incomplete(tmp_path: Path, op: str) -> None:
-    for loc in (str(tmp_path / "does" / "not" / "exist"), f"memory://nothing-{uuid.uuid4().hex}"):
-        with pytest.raises(IncompleteCheckpointError, match=r"(?s)empty or missing.*metadata\.json"):
+    for loc, what in (
+        (str(tmp_path / "does" / "not" / "exist"), "no such checkpoint: the directory does not exist"),
+        (f"memory://nothing-{uuid.uuid4().hex}", r"not a checkpoint: nothing is there \(an empty directory, or no object under this prefix\); a checkpoint holds metadata\.json"),
+    ):
+        with pytest.raises(IncompleteCheckpointError, match=what):
             _OPERATIONS[op](loc)
 
 

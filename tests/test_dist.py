@@ -321,12 +321,15 @@ def test_ranks_that_pass_different_directories_are_refused(tmp_path):
 # --- a rank that dies during a save ------------------------------------------------------------------
 
 
-def _dying_worker(rank, world_size, port, fn, args, queue):
+def _dying_worker(rank, world_size, port, fn, args, queue, pg_timeout_s=None):
     os.environ["OMP_NUM_THREADS"] = "1"
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    timeout = timedelta(seconds=pg_timeout_s) if pg_timeout_s is not None else None
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -337,11 +340,15 @@ def _dying_worker(rank, world_size, port, fn, args, queue):
     os._exit(0)  # no barrier and no destroy_process_group: peers are dead
 
 
-def run_ranks_where_some_die(world_size, fn, *args, timeout=60.0):
-    """Each rank's result, or ``"died"`` for a rank that ended without reporting one."""
+def run_ranks_where_some_die(world_size, fn, *args, timeout=60.0, pg_timeout_s=None):
+    """Each rank's result, or ``"died"`` for a rank that ended without reporting one.
+    ``pg_timeout_s``: the process group's own timeout (default: torch's, 30 minutes)."""
     queue = _CTX.Queue()
     port = free_port()
-    procs = [_CTX.Process(target=_dying_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
+    procs = [
+        _CTX.Process(target=_dying_worker, args=(r, world_size, port, fn, args, queue, pg_timeout_s), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict = {}
@@ -452,6 +459,47 @@ def test_coordinator_that_committed_reports_success_when_a_rank_dies(tmp_path):
     results = run_ranks_where_some_die(2, _save_where_one_dies, path, None, "kill")
     assert results == ["saved", "died"]
     assert {k: v.tolist() for k, v in Checkpointer().unshard(path).items()} == {"x0": [0.0] * 3, "x1": [1.0] * 3}
+
+
+# --- issue 22 item 9: a rank killed mid-save is found within the process group's timeout when it is
+# the shorter one, not only after knobs.collective_timeout_s
+
+
+def _killed_before_the_ranks_meet(rank, ws, path, how):
+    """Rank 1 SIGKILLs itself when it checks in with the other ranks: in the background thread of
+    an async save (its state already staged), or at the start of a synchronous one."""
+    from shardsafe.dist import Comm
+
+    if rank == 1:
+        def die(self, timeout_s):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Comm.arrive = die
+    ckpt = Checkpointer(knobs=dataclasses.replace(KNOBS, collective_timeout_s=120))
+    state = {f"x{rank}": torch.full((1000,), float(rank))}
+    if how == "async_save":
+        ckpt.async_save(path, state).wait()
+    else:
+        ckpt.save(path, state)
+    return "saved"
+
+
+@pytest.mark.parametrize("how", ["async_save", "save"])
+def test_a_rank_killed_mid_save_is_found_within_the_shorter_process_group_timeout(tmp_path, how):
+    # the process group's timeout is 5 s, knobs.collective_timeout_s 120 s: the survivor must give up
+    # after the 5 s and say so (before the fix it waited the 120 s, past this harness's 60)
+    path = str(tmp_path / "c")
+    results = run_ranks_where_some_die(2, _killed_before_the_ranks_meet, path, how, timeout=60.0, pg_timeout_s=5)
+    assert results[1] == "died"
+    kind, name, msg = _outcome(results[0])
+    assert (kind, name) == ("raised", "MissingRanksError"), results[0]
+    assert msg == (
+        f"shardsafe.Checkpointer.{how}: rank(s) [1] of the 2 rank(s) of the process group did not call it within 5 s: every "
+        "rank of the process group must call it, together (to use only some ranks, pass a process_group of those ranks; to "
+        "read on one rank alone, pass no_dist=True where the call takes it) (the wait was the process group's own timeout, "
+        "5 s, shorter than knobs.collective_timeout_s (120 s))"
+    ), msg
+    assert not os.path.exists(os.path.join(path, "metadata.json"))
 
 
 # --- item 13: nothing outlives a call but the idle reader threads, kept for the next load -----------

@@ -189,10 +189,11 @@ def test_a_save_that_never_committed_is_still_called_interrupted(tmp_path):
     Checkpointer().save(ours, _state())
     (ours / "metadata.json").unlink()
     assert [f.endswith(".safetensors") for f in os.listdir(ours)] == [True]
-    for loc, state in ((ours, "it holds 1 file(s) but"), (tmp_path / "none", "it is empty or missing, and")):
-        with pytest.raises(IncompleteCheckpointError, match=re.escape(
-            f"{loc}: not a committed checkpoint: {state} has no metadata.json (was the save interrupted before it committed?)"
-        )):
+    for loc, msg in (
+        (ours, "not a committed checkpoint: it holds 1 file(s) but has no metadata.json (was the save interrupted before it committed?)"),
+        (tmp_path / "none", "no such checkpoint: the directory does not exist (is the path mistyped?)"),
+    ):
+        with pytest.raises(IncompleteCheckpointError, match=re.escape(f"{loc}: {msg}")):
             Checkpointer().load(loc, {"w": torch.zeros(2, 3)}, no_dist=True)
 
 

@@ -17,7 +17,9 @@ version checked after the schema); all are fixed.
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -52,6 +54,8 @@ _CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
 _SUMS = "__shardsafe_checksums__"  # §4.2: the last entry of every v3 data file
 _LIMIT = 2**62
+_MIN_ENTRY = 26  # §8 bounds: the shortest header entry, '"a":{"data_offsets":[0,0]}'
+_CHECKED_ONE_BY_ONE = 2**16  # §8 bounds: chunks of tables that do not tile box by box, per document
 
 
 class SpecError(Exception):
@@ -258,11 +262,60 @@ def _v12_chunks(path: str, meta: dict, key: str, t: dict, files: dict) -> list[t
     return out
 
 
+def _tiles_box_by_box(chunks: list, shape: list[int]) -> bool:
+    """§8 bounds: the flattened ranges of the chunks sharing a box tile that box, and the
+    distinct boxes tile the tensor (counted element by element here)."""
+    by_box: dict = {}
+    for _, off, lens, flat in chunks:
+        by_box.setdefault((tuple(off), tuple(lens)), []).append(flat or (0, math.prod(lens)))
+    for (_, lens), ranges in by_box.items():
+        pos = 0
+        for lo, hi in sorted(ranges):
+            if lo != pos:
+                return False
+            pos = hi
+        if pos != math.prod(lens):
+            return False
+    # the boxes tile the tensor iff the indicator functions of the boxes sum to the tensor's; an
+    # indicator is a signed sum over the box's corners of orthants, linearly independent by corner
+    corners: collections.Counter = collections.Counter()
+    for box, sign in [*((b, 1) for b in by_box), (((0,) * len(shape), tuple(shape)), -1)]:
+        for pick in itertools.product((0, 1), repeat=len(shape)):
+            corner = tuple(o + n if p else o for o, n, p in zip(*box, pick))
+            corners[corner] += sign * (-1) ** sum(pick)
+    return not any(corners.values())
+
+
+def _check_bounds(meta: dict) -> None:
+    """§8 step 2.6 and the bounds on the work a document can ask for, before any data file is read."""
+    for key, t in meta["tensors"].items():
+        shape = t["shape"]
+        if len(shape) > 64 or any(not 0 <= n < _LIMIT for n in shape):
+            raise SpecError(f"{key}: shape {shape} has more than 64 dimensions or a dimension outside [0, 2**62)")
+        if math.prod(shape) * _ITEMSIZE[t["dtype"]] >= _LIMIT:
+            raise SpecError(f"{key}: shape {shape} holds 2**62 bytes or more")
+    if meta["format_version"] != 3:
+        return
+    budget = sum(f["header_bytes"] for f in meta["file_table"]) // _MIN_ENTRY
+    one_by_one = _CHECKED_ONE_BY_ONE
+    for key, t in meta["tensors"].items():
+        count = t["table"]["count"]
+        if type(count) is not int or count > budget:
+            raise SpecError(f"{key}: {count} chunks, more than the data files' headers can name ({budget} left)")
+        budget -= count
+        chunks = table_chunks(t, len(meta["file_table"]), key)
+        if not _tiles_box_by_box(chunks, t["shape"]):
+            if len(chunks) > one_by_one:
+                raise SpecError(f"{key}: {len(chunks)} chunks that do not tile box by box, more than are checked one by one")
+            one_by_one -= len(chunks)
+
+
 def read_checkpoint(path: str, *, allow_pickle: bool = False) -> dict:
     """Every tensor whole, and every object, from the checkpoint at ``path`` (formats 1 to 3)."""
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise SpecError(f"{path}: no metadata.json, not a committed checkpoint")
     meta = _load_metadata(path)
+    _check_bounds(meta)
     files: dict = {}
     out: dict = {}
     for key, t in meta["tensors"].items():
@@ -924,3 +977,42 @@ def test_v3_flipped_byte_in_metadata_json(blocks_ckpt, tmp_path):
     with open(os.path.join(path, "metadata.json"), "wb") as fh:
         fh.write(raw[:pos] + bytes([raw[pos] ^ 0x10]) + raw[pos + 1 :])
     _both_refuse(path, "metadata.json: checksum mismatch", shardsafe.CorruptCheckpointError, "checksum mismatch: metadata_checksum says")
+
+
+# --- issue 22 item 8: the bounds of §8, followed by this reader and by shardsafe alike -------------
+
+
+def test_both_refuse_a_dimension_of_2_62_or_more_beside_a_zero(sharded_ckpt, tmp_path):
+    path = _copy(sharded_ckpt, tmp_path)
+    meta = _metadata(path)
+    meta["tensors"]["e"] = {"shape": [0, 2**70], "dtype": "float32", "is_sharded": False,
+                            "table": {"count": 0, "file": [], "offset": [[], []], "length": [[], []]}}
+    _write_metadata(path, meta)
+    _both_refuse(path, r"e: shape \[0, 1180591620717411303424\] has more than 64 dimensions or a dimension outside",
+                 shardsafe.CorruptCheckpointError, r"a dimension of 2\*\*62 or more", read="unshard")
+
+
+def test_both_refuse_a_sealed_dtype_change(sharded_ckpt, tmp_path):
+    path = _copy(sharded_ckpt, tmp_path)
+    meta = _metadata(path)
+    key = next(k for k, t in meta["tensors"].items() if t["dtype"] == "float32")
+    meta["tensors"][key]["dtype"] = "int32"
+    _write_metadata(path, meta)
+    _both_refuse(path, "the entry is F32", shardsafe.CorruptCheckpointError, "holds dtype F32 by the file's header, metadata.json says I32",
+                 read="unshard")
+
+
+def test_both_refuse_more_chunks_checked_one_by_one_than_the_bound(sharded_ckpt, tmp_path):
+    # 80000 chunks in a staircase whose second chunk of each row overlaps the first: not box by box
+    path = _copy(sharded_ckpt, tmp_path)
+    meta = _metadata(path)
+    n = 40_000
+    meta["file_table"][0]["header_bytes"] = meta["file_table"][0]["size"] = _MIN_ENTRY * (2 * n + 100)
+    meta["tensors"]["s"] = {"shape": [n, n + 1], "dtype": "uint8", "is_sharded": True, "table": {
+        "count": 2 * n, "file": [[0, 0, 2 * n]],
+        "offset": [[[0, 1, n], [0, 1, n]], [[0, 0, n], [0, 1, n]]],
+        "length": [[[1, 0, n], [1, 0, n]], [[1, 1, n], [n, -1, n]]],
+    }}
+    _write_metadata(path, meta)
+    _both_refuse(path, "80000 chunks that do not tile box by box, more than are checked one by one",
+                 shardsafe.CorruptCheckpointError, r"its 80000 chunks do not tile its shape \[40000, 40001\] box by box")

@@ -97,6 +97,64 @@ def test_the_grid_rule_agrees_with_the_general_tiling_check(shape, cuts, rnd, ch
         assert table.grid_cells(shape) and tiles
 
 
+def _guillotine(rnd, off: tuple, lens: tuple, depth: int) -> list:
+    """A tiling of the box ``off``/``lens`` by recursive cuts (no grid in general)."""
+    dims = [d for d, n in enumerate(lens) if n > 1]
+    if depth == 0 or not dims or rnd.random() < 0.2:
+        return [(off, lens)]
+    d = rnd.choice(dims)
+    cut = rnd.randint(1, lens[d] - 1)
+    a_lens = tuple(cut if i == d else n for i, n in enumerate(lens))
+    b_off = tuple(o + cut if i == d else o for i, o in enumerate(off))
+    b_lens = tuple(n - cut if i == d else n for i, n in enumerate(lens))
+    return _guillotine(rnd, off, a_lens, depth - 1) + _guillotine(rnd, b_off, b_lens, depth - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=4),
+    st.randoms(use_true_random=False),
+    st.sampled_from(["tiling", "drop", "dup", "shift", "gap"]),
+    st.booleans(),
+)
+def test_the_box_by_box_rule_agrees_with_the_general_tiling_check(shape, rnd, change, flats):
+    """``tiles_box_by_box`` (vectorized, signed corners) says "tiles" exactly when the general
+    check does, for layouts of the box-by-box form: recursive cuts, some boxes split further
+    into flattened ranges, then one piece dropped, doubled or moved, or a range cut short."""
+    shape = tuple(shape)
+    pieces = []
+    for off, lens in _guillotine(rnd, (0,) * len(shape), shape, 6):
+        n = int(np.prod(lens))
+        if flats and n > 1 and rnd.random() < 0.5:
+            cuts = sorted(rnd.sample(range(1, n), min(n - 1, rnd.randint(1, 3))))
+            bounds = [0, *cuts, n]
+            pieces += [(off, lens, (a, b)) for a, b in zip(bounds, bounds[1:])]
+        else:
+            pieces.append((off, lens, None))
+    rnd.shuffle(pieces)
+    i = rnd.randrange(len(pieces))
+    off, lens, flat = pieces[i]
+    if change == "drop" and len(pieces) > 1:
+        pieces.pop(i)
+    elif change == "dup":
+        pieces.append(pieces[i])
+    elif change == "shift":
+        d = rnd.randrange(len(shape))
+        if off[d] > 0:
+            pieces[i] = (tuple(o - 1 if k == d else o for k, o in enumerate(off)), lens, flat)
+    elif change == "gap" and flat is not None and flat[1] - flat[0] > 1:
+        pieces[i] = (off, lens, (flat[0], flat[1] - 1))
+    table = ChunkTable.from_chunks([(0, o, ln, f) for o, ln, f in pieces], len(shape))
+    try:
+        check_tiling("t", shape, [(o, ln, f) for o, ln, f in pieces])
+        tiles = True
+    except ShardingError:
+        tiles = False
+    assert table.tiles_box_by_box(shape) == tiles, pieces
+    if change == "tiling":
+        assert tiles
+
+
 def test_two_flattened_boxes_that_would_share_a_name_are_refused_before_anything_is_written(tmp_path):
     t = torch.arange(16.0).reshape(4, 4)
 

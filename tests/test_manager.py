@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import signal
+import struct
 import sys
 import uuid
 
@@ -22,10 +23,12 @@ from shardsafe import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointManager,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     MissingKeyError,
     RankMismatchError,
     RNGState,
+    ShapeMismatchError,
     StorageError,
 )
 from shardsafe.dist import collective_counts
@@ -207,6 +210,129 @@ def test_restore_errors(tmp_path) -> None:
         CheckpointManager(tmp_path, save_on_signal="TERM")
 
 
+def _first_data_byte(step_dir) -> None:
+    """Flip the first byte of the first tensor's data in the step's (first) data file: its
+    metadata.json still checks out, the damage is found when the bytes are read."""
+    name = sorted(n for n in os.listdir(step_dir) if n.endswith(".safetensors"))[0]
+    _first_data_byte_of(os.path.join(step_dir, name))
+
+
+def _first_data_byte_of(path) -> None:
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n)
+        b = f.read(1)
+        f.seek(8 + n)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def _filled(model, step: int) -> dict:
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=p.dtype).view(p.shape) * step + i)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_hand_made_damaged_and_half_deleted_steps_are_not_counted_and_never_kept_over_real_ones(tmp_path, caplog) -> None:
+    """Issue 22 item 7: a step counts only when its metadata.json checks out against its own
+    checksum and names no missing file; retention (keep_last=2) then deletes real step 1 only,
+    never real steps to keep the hand-made ones, which it leaves in place."""
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, model, force=True)
+        mgr.save(2, model, force=True)
+    real = tmp_path / "step_00000002"
+    made = tmp_path / "step_00000003"  # hand-made: any metadata.json
+    made.mkdir()
+    (made / "metadata.json").write_text("{}")
+    edited = tmp_path / "step_00000004"  # a copy whose metadata.json was edited by hand (checksum not redone)
+    shutil.copytree(real, edited)
+    raw = (edited / "metadata.json").read_bytes()
+    (edited / "metadata.json").write_bytes(raw.replace(b'"float32"', b'"float64"', 1))
+    half = tmp_path / "step_00000005"  # half deleted by hand: a data file gone, metadata.json left
+    shutil.copytree(real, half)
+    data = [n for n in os.listdir(half) if n.endswith(".safetensors")]
+    (half / data[0]).unlink()
+    foreign = tmp_path / "step_00000007"  # Megatron-Core's own metadata.json: another library's checkpoint
+    foreign.mkdir()
+    (foreign / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    with caplog.at_level(logging.WARNING, logger="shardsafe"):
+        mgr = CheckpointManager(tmp_path, keep_last=2, async_save=False)
+    assert mgr.all_steps() == [1, 2] and mgr.latest_step() == 2
+    damaged = mgr.damaged_steps()
+    assert sorted(damaged) == [3, 4, 5, 7]
+    assert damaged[3] == f"{made}/metadata.json: invalid checkpoint metadata: format_version must be a positive integer, found None"
+    assert damaged[4].startswith(f"{edited}/metadata.json: checksum mismatch: metadata_checksum says "), damaged[4]
+    assert damaged[5] == f"{half}/metadata.json names data file(s) {data[0]}, which are missing"
+    assert damaged[7].startswith(f"{foreign}/metadata.json: this is Megatron-Core's dist_checkpointing config"), damaged[7]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for step in (3, 4, 5, 7):
+        assert (f"CheckpointManager: step {step} under {tmp_path} is not counted as committed: {damaged[step]} (left in "
+                f"place; a save of step {step} replaces it)") in warned, warned
+    assert not mgr.should_save(2) and mgr.should_save(4) is False  # no interval: only counted steps are "taken"
+    mgr.save(6, model, force=True)
+    assert mgr.all_steps() == [2, 6]  # step 1 went, not step 2 in favour of 3, 4 or 5
+    assert sorted(os.listdir(tmp_path)) == [f"step_0000000{s}" for s in (2, 3, 4, 5, 6, 7)]
+    mgr.close()
+
+
+def test_restore_falls_back_to_the_newest_intact_step_and_says_which(tmp_path, caplog) -> None:
+    """Issue 22 item 7: restore() of a newest step whose data is damaged restores the step
+    before it, logs a WARNING naming both and returns the step it restored; restore(step) of
+    the damaged step names it and the newest intact one; a save of that step replaces it."""
+    model = torch.nn.Linear(4, 3)
+    saved = {}
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            saved[step] = _filled(model, step)
+            mgr.save(step, model, force=True)
+    _first_data_byte(tmp_path / "step_00000003")
+    target = torch.nn.Linear(4, 3)
+
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    assert mgr.all_steps() == [1, 2, 3]  # its metadata.json checks out: the damage shows when the data is read
+    with pytest.raises(CorruptCheckpointError) as raised:
+        mgr.restore(3, target)
+    msg = str(raised.value)
+    assert msg.startswith(
+        f"CheckpointManager.restore: step 3 under {tmp_path} is damaged; the newest committed step is 2: restore(step=2), or "
+        "restore() for the newest that loads: key 'model.weight': checksum mismatch in chunk "
+    ), msg
+    assert mgr.all_steps() == [1, 2] and list(mgr.damaged_steps()) == [3]
+    mgr.close()
+
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    with caplog.at_level(logging.WARNING, logger="shardsafe"):
+        assert mgr.restore(model=target) == 2
+    assert all(torch.equal(v, saved[2][k]) for k, v in target.state_dict().items())
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"CheckpointManager.restore: step 3 under {tmp_path} is damaged (key 'model.weight': checksum mismatch in chunk "
+    ), warned
+    assert warned[0].endswith("); restoring step 2, the newest older committed step, instead"), warned
+    assert mgr.latest_step() == 2 and list(mgr.damaged_steps()) == [3]
+    with pytest.raises(ShapeMismatchError):  # not damage: raised as it is, no other step tried
+        mgr.restore(model=torch.nn.Linear(4, 5))
+    assert mgr.all_steps() == [1, 2]
+    # the run goes on from step 2 and saves step 3 again: the damaged directory is replaced
+    saved[3] = _filled(model, 30)
+    assert mgr.save(3, model, force=True)
+    assert mgr.all_steps() == [1, 2, 3] and mgr.damaged_steps() == {}
+    mgr.close()
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(model=target) == 3
+    assert all(torch.equal(v, saved[3][k]) for k, v in target.state_dict().items())
+
+    for step in (1, 2, 3):
+        _first_data_byte(tmp_path / f"step_0000000{step}")
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(CorruptCheckpointError) as raised:
+        mgr.restore(model=target)
+    assert str(raised.value).startswith(
+        f"CheckpointManager.restore: step 3, 2, 1 under {tmp_path} are damaged, and no older committed step is left to "
+        "restore (damaged steps: [1, 2, 3]): "
+    ), str(raised.value)
+
+
 class _Holds:
     def __init__(self, value) -> None:
         self.value = value
@@ -385,6 +511,32 @@ def test_fsdp2_resume_on_1_and_4_ranks_by_restore_alone(tmp_path) -> None:
 
 
 # --- distributed: signals -------------------------------------------------------------------------------
+
+
+def _sharded_steps_run(rank, ws, root, phase):
+    """Each rank's extra state is a row of its own, filled by step; ``phase`` "save" saves steps
+    1-3, "restore" restores the latest and returns the step, the row read and the steps."""
+    extra = {"row": _Holds(None)}
+    with CheckpointManager(root, async_save=False) as mgr:
+        if phase == "save":
+            for step in (1, 2, 3):
+                extra["row"].value = torch.full((4,), float(10 * step + rank))
+                mgr.save(step, extra=extra, force=True)
+            return None
+        got = mgr.restore(extra=extra)
+        return got, extra["row"].value.tolist(), mgr.all_steps(), sorted(mgr.damaged_steps())
+
+
+def test_two_ranks_fall_back_together_when_only_one_rank_reads_damage(tmp_path) -> None:
+    """Only rank 1's extra state of step 3 is damaged: rank 1 finds it, and both ranks restore
+    step 2 together (the failure reaches rank 0 as the same class), each its own row."""
+    run_ranks(2, _sharded_steps_run, str(tmp_path), "save")
+    step3 = tmp_path / "step_00000003"
+    files = sorted(n for n in os.listdir(step3) if n.endswith(".safetensors"))
+    assert len(files) == 2  # one per rank
+    _first_data_byte_of(step3 / files[1])
+    got = run_ranks(2, _sharded_steps_run, str(tmp_path), "restore")
+    assert got == [(2, [20.0] * 4, [1, 2], [3]), (2, [21.0] * 4, [1, 2], [3])]
 
 
 def _signal_run(rank, ws, root, sender):

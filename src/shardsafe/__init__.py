@@ -28,17 +28,10 @@ Submodules: shardsafe.dcp (torch.distributed.checkpoint), shardsafe.megatron, sh
 documented in shardsafe.format.metadata.
 """
 
-from .adapters import ShardedTensor
-from .api import (
-    async_save_model_and_optim_state,
-    load_model_and_optim_state,
-    save_model_and_optim_state,
-    unshard_model_state,
-    unshard_optim_state,
-)
-from .checkpointer import Checkpointer
-from .engine.background import AsyncSave
-from .engine.consolidate import unshard_to_safetensors
+import sys
+import types
+from typing import TYPE_CHECKING
+
 from .errors import (
     CheckpointError,
     CheckpointExistsError,  # noqa: F401 - importable from here, documented in shardsafe.errors
@@ -56,13 +49,77 @@ from .errors import (
     StorageError,  # noqa: F401 - importable from here, documented in shardsafe.errors
     UnsafePickleError,  # noqa: F401 - importable from here, documented in shardsafe.errors
 )
-from .format.metadata import StorageMetadata as StorageMetadata
-from .format.metadata import TensorShardSpec as TensorShardSpec
-from .format.metadata import TensorStorageMetadata as TensorStorageMetadata
-from .hf import load_hf_safetensors
-from .manager import CheckpointManager
-from .rng import RNGState
-from .verify import VerifyReport, verify
+
+# Everything else is imported on first use (PEP 562), so that ``import shardsafe.errors`` and the
+# command line (``shardsafe --help``) do not import torch: name -> the module that defines it.
+_LAZY = {
+    "ShardedTensor": ".adapters",
+    "async_save_model_and_optim_state": ".api",
+    "load_model_and_optim_state": ".api",
+    "save_model_and_optim_state": ".api",
+    "unshard_model_state": ".api",
+    "unshard_optim_state": ".api",
+    "Checkpointer": ".checkpointer",
+    "AsyncSave": ".engine.background",
+    "unshard_to_safetensors": ".engine.consolidate",
+    "StorageMetadata": ".format.metadata",
+    "TensorShardSpec": ".format.metadata",
+    "TensorStorageMetadata": ".format.metadata",
+    "load_hf_safetensors": ".hf",
+    "CheckpointManager": ".manager",
+    "RNGState": ".rng",
+    "VerifyReport": ".verify",
+    "verify": ".verify",
+}
+
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
+    from .adapters import ShardedTensor
+    from .api import (
+        async_save_model_and_optim_state,
+        load_model_and_optim_state,
+        save_model_and_optim_state,
+        unshard_model_state,
+        unshard_optim_state,
+    )
+    from .checkpointer import Checkpointer
+    from .engine.background import AsyncSave
+    from .engine.consolidate import unshard_to_safetensors
+    from .format.metadata import StorageMetadata as StorageMetadata
+    from .format.metadata import TensorShardSpec as TensorShardSpec
+    from .format.metadata import TensorStorageMetadata as TensorStorageMetadata
+    from .hf import load_hf_safetensors
+    from .manager import CheckpointManager
+    from .rng import RNGState
+    from .verify import VerifyReport, verify
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardsafe' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+class _Package(types.ModuleType):
+    """The import system binds each submodule to its package's attribute once loaded: the function
+    ``shardsafe.verify`` keeps its name over the module ``shardsafe.verify`` (which is in sys.modules)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __version__ = "0.1.0"
 

@@ -146,7 +146,7 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
 
 
 def _brief(v: Any, width: int = 60) -> str:
-    text = json.dumps(v, separators=(",", ":"))
+    text = v if v == "(absent)" else json.dumps(v, separators=(",", ":"))
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
@@ -216,9 +216,13 @@ def cmd_diff(args: argparse.Namespace, out: _Out) -> int:
     for k in incomparable:
         out.line(f"layout         {k}  stored in other chunks or blocks: digests cannot be compared" + ("" if args.values else " (--values compares the data)"))
     for k, (x, y) in values.items():
-        fx = "(absent)" if k not in va else _brief(x, 30)
-        fy = "(absent)" if k not in vb else _brief(y, 30)
-        out.line(f"value          {k}  {fx} -> {fy}")
+        if k not in va or k not in vb or (k in a.pickled_objects) != (k in b.pickled_objects):
+            fx = "(absent)" if k not in va else _brief(x)
+            fy = "(absent)" if k not in vb else _brief(y)
+            out.line(f"value          {k}  {fx} -> {fy}")
+            continue
+        for path, lx, ly in _leaf_diffs(x, y):
+            out.line(f"value          {k}  {path + ': ' if path else ''}{_brief(lx)} -> {_brief(ly)}")
     for k, d in maxdiff.items():
         if k in over:
             out.line(f"max |A-B|      {k}  {'NaN on one side' if d is None else f'{d:.6g}'}")
@@ -256,6 +260,29 @@ def _stored_digests(tm) -> tuple[list, list]:
         rows.append(((tuple(spec.global_offset), tuple(spec.local_shape), spec.flattened_range, sums.algorithm, sums.block_bytes), sums.digests))
     rows.sort(key=lambda r: (r[0][0], r[0][1], r[0][2] or (-1, -1)))
     return [r[0] for r in rows], [r[1] for r in rows]
+
+
+_ABSENT = object()
+
+
+def _leaf_diffs(x: Any, y: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """Where two JSON values differ: ``(path, a, b)`` per differing leaf, the path as ``state.pos``
+    or ``param_groups[0].lr`` ("" for the values themselves); a key or item on one side only is
+    shown as ``(absent)`` on the other."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        out = []
+        for k in sorted(set(x) | set(y), key=str):
+            sub = f"{path}.{k}" if path else str(k)
+            out += _leaf_diffs(x.get(k, _ABSENT), y.get(k, _ABSENT), sub)
+        return out
+    if isinstance(x, list) and isinstance(y, list):
+        out = []
+        for i in range(max(len(x), len(y))):
+            out += _leaf_diffs(x[i] if i < len(x) else _ABSENT, y[i] if i < len(y) else _ABSENT, f"{path}[{i}]")
+        return out
+    if x is _ABSENT or y is _ABSENT or type(x) is not type(y) or x != y:
+        return [(path, "(absent)" if x is _ABSENT else x, "(absent)" if y is _ABSENT else y)]
+    return []
 
 
 def _max_diffs(loc_a: str, loc_b: str, a, b, keys: list[str], progress) -> dict[str, float | None]:
@@ -296,24 +323,63 @@ def _max_diffs(loc_a: str, loc_b: str, a, b, keys: list[str], progress) -> dict[
 # ---------------------------------------------------------------- export
 
 
+MODEL_PREFIX = "model."  # what save_model_and_optim_state and the integrations store the model under
+
+
 def cmd_export(args: argparse.Namespace, out: _Out) -> int:
+    import warnings
+
     import torch
 
     from .engine.consolidate import unshard_to_safetensors
 
+    if args.config is not None and args.max_shard_size is None:
+        raise _usage_error("--config writes config.json into a folder: pass --max-shard-size as well (5GB is transformers' default)")
+    prefix, left_out = args.prefix, {}
+    if prefix is None:  # the model's keys when there are any (a model/optimizer checkpoint), else everything
+        meta = _meta(args.dir)
+        if any(k.startswith(MODEL_PREFIX) for k in meta.tensors):
+            prefix = MODEL_PREFIX
+            left_out = _left_out(meta, prefix)
+    elif prefix == "":
+        prefix = None  # --prefix '': every key, as stored
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    counts = unshard_to_safetensors(
-        args.dir, args.out, prefix=args.prefix, overwrite=args.overwrite, max_shard_size=args.max_shard_size, dtype=dtype,
-        progress=out.progress("export"),
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        counts = unshard_to_safetensors(
+            args.dir, args.out, prefix=prefix, overwrite=args.overwrite, max_shard_size=args.max_shard_size, dtype=dtype,
+            progress=out.progress("export"), config=args.config,
+        )
+    for w in caught:  # the folder has no config.json: said on stderr, in the command's words
+        if "no config.json" in str(w.message):
+            text = (f"{args.out} holds the weights only, no config.json: transformers' from_pretrained needs it (without it, "
+                    "it builds a default model of its own); pass --config PATH (the model's config.json), or copy it into the folder")
+        else:
+            text = str(w.message)
+        if not out.quiet:
+            print(f"shardsafe export: warning: {text}", file=sys.stderr)
     files = counts.get("files", 1)  # one file unless exported to a folder
-    out.doc({"dir": args.dir, "out": args.out, "files": files, **counts})
+    out.doc({"dir": args.dir, "out": args.out, "files": files, **counts, "prefix": prefix, "left_out": left_out})
     out.line(
         f"exported {counts['tensors']} tensors ({_human(counts['bytes'])}) to {args.out}"
         + (f" in {files} files + index" if files > 1 else "")
+        + (" and config.json" if counts.get("config") else "")
         + (f"; {counts['skipped_values']} pickled value(s) left out" if counts["skipped_values"] else "")
     )
+    if left_out:
+        what = ", ".join(f"{n} under {p}" for p, n in left_out.items())
+        out.line(f"the model's keys ({prefix}*, written without {prefix!r}); left out: {what} (--prefix '' exports every key)")
     return EXIT_OK
+
+
+def _left_out(meta, prefix: str) -> dict[str, int]:
+    """Keys not under ``prefix``, counted by their first part (``optim.``: 12)."""
+    counts: dict[str, int] = {}
+    for key in [*meta.tensors, *meta.objects, *meta.pickled_objects]:
+        if not key.startswith(prefix):
+            head = key.split(".", 1)[0] + ("." if "." in key else "")
+            counts[head] = counts.get(head, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 # ---------------------------------------------------------------- consolidate
@@ -333,8 +399,12 @@ def cmd_consolidate(args: argparse.Namespace, out: _Out) -> int:
 
 def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
     from .convert import convert_hf, convert_torch
+    from .engine.foreign import source_format
 
     progress = out.progress("convert")
+    detected = args.source is None
+    if detected:
+        args.source = source_format(args.src)
     if args.source == "dcp":
         from .dcp import convert
 
@@ -349,8 +419,9 @@ def cmd_convert(args: argparse.Namespace, out: _Out) -> int:
         counts = convert_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=progress)
     else:
         counts = convert_hf(args.src, args.dst, overwrite=args.overwrite, progress=progress)
-    out.doc({"src": args.src, "dst": args.dst, "from": args.source, **counts})
-    out.line(f"converted {counts['tensors']} tensors and {counts['values']} values from {args.source} {args.src} to {args.dst}")
+    out.doc({"src": args.src, "dst": args.dst, "from": args.source, "detected": detected, **counts})
+    how = " (detected; --from overrides)" if detected else ""
+    out.line(f"converted {counts['tensors']} tensors and {counts['values']} values from {args.source}{how} {args.src} to {args.dst}")
     return EXIT_OK
 
 
@@ -367,8 +438,10 @@ JSON_SCHEMAS = {
     "stored per-block digests differ), layout_differs ([key]; stored in other chunks or blocks: digests not comparable), max_abs_diff ({key: number, or null "
     "where an element is NaN on one side only}; null without --values), atol",
     "export": "dir, out, files (data files written), tensors, bytes (tensor data), file_bytes (all files written), values "
-    "(JSON values written to __metadata__), skipped_values (pickled values left out)",
-    "convert": "src, dst, from, tensors, values",
+    "(JSON values written to __metadata__), skipped_values (pickled values left out), config (with --max-shard-size: 1 if "
+    "config.json was written), prefix (the prefix used; null: every key), left_out ({first part of a key: keys not exported} "
+    "when the prefix was chosen for you)",
+    "convert": "src, dst, from, detected (whether the format was detected rather than given with --from), tensors, values",
     "consolidate": "dir, out, tensors, bytes (tensor data), file_bytes (the file written)",
 }
 
@@ -427,9 +500,12 @@ def _parser() -> argparse.ArgumentParser:
                        "model.safetensors.index.json). Streamed; every chunk checked.")
     s.add_argument("dir", help="checkpoint directory or URL")
     s.add_argument("out", help="output file (or folder with --max-shard-size); a path or URL")
-    s.add_argument("--prefix", help="only keys starting with it, written without it (e.g. model.)")
+    s.add_argument("--prefix", help="only keys starting with it, written without it (default: model. when the checkpoint holds "
+                   "model keys, else every key; '' for every key)")
     s.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="write a sharded folder, files of at most SIZE (5GB, 500MB, 2GiB)")
     s.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating-point tensors to this dtype")
+    s.add_argument("--config", metavar="PATH", help="with --max-shard-size: the model's config.json (or a folder holding one), "
+                   "copied into OUT so that transformers' from_pretrained(OUT) builds the model")
     s.add_argument("--overwrite", action="store_true", help="replace an existing output")
     s.set_defaults(run=cmd_export)
 
@@ -448,14 +524,37 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("convert", parents=[common], epilog=_epilog("convert"), help="into a shardsafe checkpoint",
                        description="Convert a torch.distributed.checkpoint folder (dcp), a megatron-core torch_dist or zarr checkpoint "
                        "(megatron), a torch.save file (torch, read with weights_only=True) or a Hugging Face safetensors "
-                       "file or folder (hf) into a shardsafe checkpoint.")
+                       "file or folder (hf) into a shardsafe checkpoint. The kind of SRC is detected; --from overrides.")
     s.add_argument("src", help="what to convert")
     s.add_argument("dst", help="the new checkpoint's directory or URL")
-    s.add_argument("--from", dest="source", required=True, choices=["dcp", "megatron", "torch", "hf"], help="the kind of SRC")
+    s.add_argument("--from", dest="source", choices=["dcp", "megatron", "torch", "hf"],
+                   help="the kind of SRC (default: detected as inspect does; give it to override)")
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint committed at DST")
     s.add_argument("--allow-pickle", action="store_true", help="store values JSON cannot hold with pickle (trusted sources only)")
     s.set_defaults(run=cmd_convert)
     return p
+
+
+# the library's advice names its arguments; on the command line the same advice names the flag
+_FLAG_WORDS = [
+    (re.compile(r"\b(?:save_)?overwrite=True(?: to (?:the )?shardsafe\.[\w.]+(?: strategy)?)?"), "overwrite", "--overwrite"),
+    (re.compile(r"\ballow_pickle=True(?: to (?:the )?shardsafe\.[\w.]+(?: strategy)?(?: \([^)]*\))?)?"), "allow_pickle", "--allow-pickle"),
+]
+
+
+def _flag_words(message: str, args: argparse.Namespace | None = None) -> str:
+    """``message`` with each Python argument it advises replaced by the command's flag (where the
+    command has that flag)."""
+    for pattern, dest, flag in _FLAG_WORDS:
+        if args is None or hasattr(args, dest):
+            message = pattern.sub(flag, message)
+    return message
+
+
+def _usage_error(message: str) -> Exception:
+    from .errors import CheckpointError
+
+    return CheckpointError(message)
 
 
 def _positive(text: str) -> int:
@@ -497,7 +596,7 @@ def _report_error(args: argparse.Namespace | None, command: str, e: BaseExceptio
     from .errors import CheckpointError
 
     known = isinstance(e, (CheckpointError, _UsageError))
-    text = str(e) if known else f"{type(e).__name__}: {e}"
+    text = _flag_words(str(e), args) if known else f"{type(e).__name__}: {e}"
     if as_json:
         kind = "UsageError" if isinstance(e, _UsageError) else type(e).__name__
         print(json.dumps({"error": {"type": kind, "message": text, "path": _error_path(args, text)}}, indent=2))

@@ -7,9 +7,12 @@ arrival check), then the same sequence of collectives. The coordinator is the gr
 rank.
 
 - **Arrival**: before any collective, every rank checks in through the process group's store.
-  A rank that has not arrived within ``knobs.collective_timeout_s`` makes every rank that did
-  raise :class:`~shardsafe.errors.MissingRanksError` naming the missing ranks, instead of
-  waiting in the first collective until the process group's timeout (30 minutes by default).
+  A rank that has not arrived within ``knobs.collective_timeout_s``, or within the process
+  group's own timeout where that is shorter (:func:`wait_limit`), makes every rank that did
+  raise :class:`~shardsafe.errors.MissingRanksError` naming the missing ranks and the timeout
+  that fired, instead of waiting in the first collective until the process group's timeout.
+  The groups shardsafe creates itself (background commits, a gloo twin of a GPU-only group)
+  take the same limit, so no wait of shardsafe's outlasts the caller's own group timeout.
 - **Failures travel as records**: each collective carries a value *or* a :class:`Failed`
   record of plain strings (rank, exception class, message, traceback), never the exception
   object, so an exception or a value that cannot be pickled still reaches every rank and no
@@ -45,7 +48,10 @@ import torch.distributed as dist
 from .errors import CheckpointError, CollectiveError, MissingRanksError
 from .knobs import KNOBS
 
-__all__ = ["Comm", "Failed", "RankFailure", "background_comm", "collective_counts", "get_comm", "raise_failures"]
+__all__ = [
+    "Comm", "Failed", "RankFailure", "background_comm", "collective_counts", "get_comm", "group_timeout_s", "raise_failures",
+    "wait_limit",
+]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -418,10 +424,13 @@ class Comm:
 
     def arrive(self, timeout_s: float) -> None:
         """Check in; return once every rank of the group has, or raise ``MissingRanksError``
-        on every rank that did after ``timeout_s`` (and at once on a rank that comes later)."""
+        on every rank that did after ``timeout_s`` or the group's own timeout, whichever is
+        shorter (and at once on a rank that comes later)."""
         self._count("arrive")
         if not self.distributed:
             return
+        asked = timeout_s
+        timeout_s = wait_limit(self.group, asked)
         group_name = self.group.group_name  # type: ignore[union-attr]
         seq = _ARRIVALS.get(group_name, 0)
         _ARRIVALS[group_name] = seq + 1
@@ -444,9 +453,9 @@ class Comm:
                 f"{self.call}: rank {self.global_rank} could not check in with the other ranks through the "
                 f"process group's store: {_first_line(e)}"
             ) from e
-        raise self._missing(who, timeout_s)
+        raise self._missing(who, timeout_s, asked)
 
-    def _missing(self, who: str, timeout_s: float) -> MissingRanksError:
+    def _missing(self, who: str, timeout_s: float, asked: float) -> MissingRanksError:
         calls = dict(entry.split("=", 1) for entry in who.split(";") if entry)
         arrived = {int(r) for r, c in calls.items() if c == self.call}
         others = {self.global_ranks[int(r)]: c for r, c in calls.items() if c != self.call}
@@ -460,7 +469,14 @@ class Comm:
         else:
             what = f"rank(s) {missing} of the {self.world_size} rank(s) of the process group did not call it within {timeout_s:g} s"
         also = "".join(f"; rank {r} called {c} instead" for r, c in sorted(others.items()))
-        return MissingRanksError(f"{self.call}: {what}{also}: {hint} (the wait is knobs.collective_timeout_s)")
+        if timeout_s < asked:
+            which = (
+                f"the wait was the process group's own timeout, {timeout_s:g} s, shorter than knobs.collective_timeout_s "
+                f"({asked:g} s)"
+            )
+        else:
+            which = "the wait is knobs.collective_timeout_s"
+        return MissingRanksError(f"{self.call}: {what}{also}: {hint} ({which})")
 
 
 _STORE_LOCK = threading.Lock()
@@ -518,6 +534,30 @@ _ARRIVALS: dict[str, int] = {}  # process group name -> arrival checks so far (t
 _SIDE_GROUPS: dict[Any, dist.ProcessGroup] = {}  # process group -> its gloo group, for groups without CPU support
 
 
+def group_timeout_s(group: dist.ProcessGroup | None) -> float | None:
+    """The process group's own timeout in seconds (the shortest of its backends'), or None when
+    the backend does not say."""
+    if group is None:
+        return None
+    found = []
+    for device in getattr(group, "_device_types", ()):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options (a wrapper, a fake group)
+            continue
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            found.append(timeout.total_seconds())
+    return min(found) if found else None
+
+
+def wait_limit(group: dist.ProcessGroup | None, timeout_s: float) -> float:
+    """The longest shardsafe waits for the ranks of ``group``: ``timeout_s``
+    (``knobs.collective_timeout_s``) or the group's own timeout, whichever is shorter. A peer
+    that died is then found as soon as the caller's own collectives would find it."""
+    own = group_timeout_s(group)
+    return timeout_s if own is None else min(timeout_s, own)
+
+
 def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """``group`` if it runs collectives on CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl``
     group), else a gloo group of the same ranks, created once: shardsafe's collectives move
@@ -526,7 +566,11 @@ def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         return group
     side = _SIDE_GROUPS.get(group)
     if side is None:  # every rank of ``group`` is here: it has just passed the arrival check
-        side = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        own = group_timeout_s(group)
+        side = dist.new_group(
+            dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True,
+            timeout=timedelta(seconds=own) if own is not None else None,
+        )
         _SIDE_GROUPS[group] = side
     return side
 
@@ -540,14 +584,16 @@ def background_comm(comm: Comm, *, timeout_s: float) -> Comm:
 
     The group is created once per process group, the first time (every rank of ``comm`` is here:
     it has passed the arrival check); a background collective that waits longer than ``timeout_s``
-    for a peer fails with ``CollectiveError`` rather than hanging.
+    or the process group's own timeout, whichever is shorter, for a peer fails with
+    ``CollectiveError`` rather than hanging.
     """
     if not comm.distributed:
         return Comm(None, call=comm.call)  # one rank: its own error is the error
     side = _BACKGROUND_GROUPS.get(comm.group)
     if side is None:
         side = dist.new_group(
-            comm.global_ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+            comm.global_ranks, backend="gloo", timeout=timedelta(seconds=wait_limit(comm.group, timeout_s)),
+            use_local_synchronization=True,
         )
         _BACKGROUND_GROUPS[comm.group] = side
     out = Comm(side, call=comm.call, own_as_is=False)  # one error, worded the same on every rank

@@ -3,7 +3,7 @@ place, on top of ``Checkpointer.async_save``.
 
 Layout under ``root`` (a local path or an object-store URL)::
 
-    root/step_00001000/metadata.json    <- a step is committed iff its metadata.json exists
+    root/step_00001000/metadata.json    <- a step is committed iff its metadata.json checks out
     root/step_00001000/*.safetensors
     root/step_00002000/...
 
@@ -39,10 +39,16 @@ from .api import load_model_and_more, model_and_optim_values
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
 from .engine.writer import async_save_state
-from .errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError, RankMismatchError
-from .format.metadata import METADATA_FILENAME, StorageMetadata
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    RankMismatchError,
+)
+from .format.metadata import METADATA_FILENAME, StorageMetadata, sealed_data_files
 from .knobs import KNOBS, Knobs
-from .storage import Directory, Location, open_storage
+from .storage import Directory, Location, Storage, open_storage
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -85,8 +91,12 @@ class CheckpointManager:
 
     Creating the manager is collective: the first rank removes the directories of steps that
     never committed (names of the form ``step_<digits>`` without ``metadata.json``: left by a
-    crash), then every rank learns the committed steps. **One job at a time per root**: a second
-    job's manager would remove the first one's step in progress.
+    crash), then every rank learns the committed steps. A step counts as committed only when
+    its ``metadata.json`` checks out against its own checksum and every data file it names is
+    there; any other step directory is *damaged*: logged (WARNING), never counted, never
+    restored, never deleted by retention, and replaced only by a save of the same step.
+    **One job at a time per root**: a second job's manager would remove the first one's step in
+    progress.
     """
 
     def __init__(
@@ -118,7 +128,9 @@ class CheckpointManager:
         self.root = self._root.url
         self._comm = get_comm(process_group=process_group, call="shardsafe.CheckpointManager", timeout_s=self._knobs.collective_timeout_s)
         # the first rank cleans up and lists; the broadcast is also the barrier that keeps the others from racing it
-        self._steps: list[int] = self._comm.broadcast(self._scan)
+        self._steps: list[int]
+        self._damaged: dict[int, str]  # step -> why it does not count (the same on every rank)
+        self._steps, self._damaged = self._comm.broadcast(self._scan)
         self._inflight: tuple[int, AsyncSave[Any]] | None = None
         self._reading: set[int] = set()  # steps a restore of this process is reading: retention keeps them
         self._lock = threading.Lock()
@@ -145,6 +157,12 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest committed step (see :meth:`all_steps`), or None."""
         return self._steps[-1] if self._steps else None
+
+    def damaged_steps(self) -> dict[int, str]:
+        """The step directories that are not counted, and why: a ``metadata.json`` that does not
+        check out or names a data file that is missing (found when the manager started), or a
+        step whose restore found damage. A save of such a step replaces its directory."""
+        return dict(self._damaged)
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` at ``step`` saves: the step is neither committed nor in flight,
@@ -216,6 +234,12 @@ class CheckpointManager:
         built: dict[str, Any] = {}
 
         def build() -> list[str]:
+            if step in self._damaged and comm.is_coordinator:  # before any rank writes: the all-gather is the barrier
+                log.warning(
+                    "CheckpointManager: step %d under %s is damaged (%s); removing it to save step %d afresh",
+                    step, self.root, self._damaged[step], step,
+                )
+                self._remove(step_dir_name(step))
             built.update(model_and_optim_values(model, optim) if model is not None else {})
             built.update(extra_values(extra, comm.rank))
             built[RECORD_KEY] = {"step": step, "world_size": comm.world_size, "extra": sorted(extra)}
@@ -225,6 +249,7 @@ class CheckpointManager:
         # ranks that pass different extra names are told so
         names = comm.all_gather(build)
         comm.raise_failures(names)
+        self._damaged.pop(step, None)
         if any(n != names[0] for n in names):
             detail = "; ".join(f"rank {comm.global_ranks[r]}: {n}" for r, n in enumerate(names))
             raise RankMismatchError(f"{func}: step {step}: every rank must pass the same extra names ({detail})")
@@ -261,8 +286,17 @@ class CheckpointManager:
         progress: bool | Callable[[int, int], None] | None = None,
     ) -> int | None:
         """Load step ``step`` (default: the latest committed) into ``model``, ``optim`` and every
-        ``extra`` object, in place, in one pass; returns the step, or None when ``step`` is None
-        and nothing is committed yet (nothing is loaded then).
+        ``extra`` object, in place, in one pass; returns the step loaded, or None when ``step`` is
+        None and nothing is committed yet (nothing is loaded then).
+
+        Damage: when ``step`` is None and the newest step turns out damaged while it loads
+        (``CorruptCheckpointError``, ``IncompleteCheckpointError``: a bad checksum, a missing or
+        truncated data file), the restore falls back to the next older committed step, and so
+        on, logging a WARNING that names the damaged step and the one loaded: check the step it
+        returns. The damaged step is no longer counted (:meth:`damaged_steps`). With ``step``
+        given there is no fallback: the error names the damaged step and the newest step that
+        is still counted. Other errors (a model that does not match, a storage failure) are
+        raised as they are, without trying another step.
 
         Any world size and parallelism loads the model and optimizer (as
         :func:`~shardsafe.load_model_and_optim_state` does, with ``validate=True``). Each rank
@@ -284,19 +318,46 @@ class CheckpointManager:
         extra = check_extra(func, extra)
         bar = rank_progress(progress, func, self._comm.is_coordinator)
         self._finish_inflight()
+        fallback = step is None
         if step is None:
             step = self.latest_step()
             if step is None:
                 return None
         elif step not in self._steps:
+            damaged = f"; it is damaged: {self._damaged[step]}" if step in self._damaged else ""
             raise IncompleteCheckpointError(
-                f"{self._step_url(step)}: no committed checkpoint of step {step} under {self.root} (committed steps: "
+                f"{self._step_url(step)}: no committed checkpoint of step {step} under {self.root}{damaged} (committed steps: "
                 f"{_steps_text(self._steps)})"
             )
-        with self._being_read(step):
-            self._load(step, model, optim, extra, bar)
+        tried: list[int] = []
+        while True:
+            try:
+                with self._being_read(step):
+                    self._load(step, model, optim, extra, bar)
+                break
+            except (CorruptCheckpointError, IncompleteCheckpointError) as e:  # the same class on every rank
+                self._steps.remove(step)
+                self._damaged[step] = _first_line(e)
+                tried.append(step)
+                older = [s for s in self._steps if s < step]
+                if not fallback or not older:
+                    newest = self._steps[-1] if self._steps and not fallback else None
+                    raise _named(e, self._damage_text(tried, newest)) from e
+                log.warning(
+                    "CheckpointManager.restore: step %d under %s is damaged (%s); restoring step %d, the newest "
+                    "older committed step, instead",
+                    step, self.root, self._damaged[step], older[-1],
+                )
+                step = older[-1]
         self._decided = None
         return step
+
+    def _damage_text(self, tried: list[int], intact: int | None) -> str:
+        steps = ", ".join(map(str, tried))
+        head = f"CheckpointManager.restore: step {steps} under {self.root} {'is' if len(tried) == 1 else 'are'} damaged"
+        if intact is None:
+            return f"{head}, and no older committed step is left to restore (damaged steps: {sorted(self._damaged)})"
+        return f"{head}; the newest committed step is {intact}: restore(step={intact}), or restore() for the newest that loads"
 
     def _load(self, step: int, model: Any, optim: Any, extra: dict[str, Any], progress: Progress | None) -> None:
         storage = self._root.child(step_dir_name(step))
@@ -365,19 +426,33 @@ class CheckpointManager:
     def _step_url(self, step: int) -> str:
         return f"{self.root.rstrip('/')}/{step_dir_name(step)}"
 
-    def _scan(self) -> list[int]:
-        """(First rank.) Remove the step directories without ``metadata.json``; the committed steps."""
-        steps = []
+    def _scan(self) -> tuple[list[int], dict[int, str]]:
+        """(First rank.) Remove the step directories without ``metadata.json``; the committed
+        steps, and the damaged ones with the reason."""
+        steps, damaged = [], {}
         for name in self._root.list_dirs():
             step = _parse_step(name)
             if step is None:
                 continue
-            if METADATA_FILENAME in self._root.child(name).list():
+            child = self._root.child(name)
+            try:
+                files = child.list()
+                if METADATA_FILENAME not in files:
+                    log.info("CheckpointManager: removing %s/%s: it never committed (no %s)", self.root, name, METADATA_FILENAME)
+                    self._remove(name)
+                    continue
+                damage = _damage(child, set(files))
+            finally:
+                child.close()
+            if damage is None:
                 steps.append(step)
             else:
-                log.info("CheckpointManager: removing %s/%s: it never committed (no %s)", self.root, name, METADATA_FILENAME)
-                self._remove(name)
-        return sorted(steps)
+                damaged[step] = damage
+                log.warning(
+                    "CheckpointManager: step %d under %s is not counted as committed: %s (left in place; a save of step %d "
+                    "replaces it)", step, self.root, damage, step,
+                )
+        return sorted(steps), damaged
 
     def _remove(self, name: str) -> None:
         """Delete a step directory, ``metadata.json`` first, so that a removal cut short leaves
@@ -453,6 +528,36 @@ class CheckpointManager:
             except ValueError:  # closed from another thread: the handler stays, counting into a closed manager
                 log.warning("CheckpointManager: could not restore the handler of signal %d (not the main thread)", self._signal)
             self._previous_handler = None
+
+
+def _damage(step: Storage, files: set[str]) -> str | None:
+    """Why the step directory ``step`` (listing ``files``) does not hold a committed checkpoint,
+    or None: its ``metadata.json`` checks out against its own checksum and names no missing file."""
+    where = f"{step.url.rstrip('/')}/{METADATA_FILENAME}"
+    try:
+        named = sealed_data_files(step.read(METADATA_FILENAME), where=where)
+    except FileNotFoundError:
+        return f"{METADATA_FILENAME} vanished while the manager listed the step"
+    except (CheckpointError, OSError) as e:  # damaged, another library's (Megatron's own metadata.json), unreadable
+        return _first_line(e)
+    missing = sorted(named - files)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return f"{where} names data file(s) {', '.join(missing[:3])}{more}, which are missing"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _named(e: CheckpointError, text: str) -> CheckpointError:
+    """An error of ``e``'s class whose message is ``text`` followed by ``e``'s."""
+    try:
+        return type(e)(f"{text}: {e}", rank_errors=e.rank_errors)
+    except TypeError:  # a subclass with another signature
+        return CheckpointError(f"{text}: {e}", rank_errors=e.rank_errors)
 
 
 def _open_root(root: Location) -> Directory:

@@ -1,1 +1,1 @@
-"""Reliability campaigns: kill -9, corruption, metadata fuzzing and racing jobs (``python -m tests.reliability``)."""
+"""Reliability campaigns: kill -9, corruption, metadata fuzzing, racing jobs and the step manager (``python -m tests.reliability``)."""

@@ -8,6 +8,7 @@ from .corrupt import run_corrupt
 from .fuzz_metadata import run_fuzz
 from .importers import run_importers
 from .kill import run_kill
+from .manager import run_manager
 from .race import run_race
 from .report import Report
 
@@ -18,10 +19,11 @@ CAMPAIGNS: dict[str, Callable[[int, int], Report]] = {
     "corrupt": run_corrupt,
     "fuzz": run_fuzz,
     "race": run_race,
+    "manager": run_manager,
     "importers": run_importers,
 }
 # a fast run (make test) covers every exact kill point on one rank, each damage region, each
 # race mode; a full run (make reliability) takes about 10 minutes on 2 shared cores
-FAST = {"kill": 15, "corrupt": 30, "fuzz": 40, "race": 3, "importers": 12}
-FULL = {"kill": 300, "corrupt": 1500, "fuzz": 1000, "race": 90, "importers": 600}
+FAST = {"kill": 15, "corrupt": 30, "fuzz": 40, "race": 3, "manager": 9, "importers": 12}
+FULL = {"kill": 300, "corrupt": 1500, "fuzz": 1000, "race": 90, "manager": 150, "importers": 600}
 SEED = 20240917

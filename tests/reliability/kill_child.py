@@ -30,19 +30,22 @@ import traceback
 from collections import Counter
 from typing import Any
 
-__all__ = ["PATCHED", "child"]
+__all__ = ["PATCHED", "child", "install"]
 
 PATCHED = ("open", "write", "fsync", "replace", "link", "unlink")
 
 
-def _install(point: dict[str, Any] | None, rank: int, counts: Counter) -> None:
+def install(point: dict[str, Any] | None, rank: int, counts: Counter, fns: tuple[str, ...] = PATCHED) -> None:
+    """Patch ``os.<fn>`` for each of ``fns`` in this process: count shardsafe's calls in
+    ``counts`` and, on rank ``point["rank"]``, SIGKILL this process at ``point`` (see the module
+    docstring). Used by the manager campaign too."""
     kill = os.kill
     getpid = os.getpid
 
     def die() -> None:
         kill(getpid(), signal.SIGKILL)
 
-    for fn in PATCHED:
+    for fn in fns:
         original = getattr(os, fn)
 
         def wrapper(*args, _fn=fn, _original=original, **kwargs):
@@ -98,7 +101,7 @@ def _run(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> N
     for _, version, _ in plan["saves"]:
         states[version] = sharded_rank_state(rank, version, large=True) if world > 1 else single_state(version, large=True)
     counts: Counter = Counter()
-    _install(plan.get("point"), rank, counts)
+    install(plan.get("point"), rank, counts)
     log = open(os.path.join(root, "log"), "ab", buffering=0) if rank == 0 else None
     open(os.path.join(root, f"ready-r{rank}"), "w").close()
     for i, (name, version, overwrite) in enumerate(plan["saves"]):

@@ -36,7 +36,7 @@ __all__ = ["CONTEXT", "Result", "Sandbox"]
 
 # forkserver children start in milliseconds with torch already imported (the same preload as tests/distributed.py)
 CONTEXT = mp.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardsafe"])
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify"])  # shardsafe imports its parts on first use
 
 _PATH_EVENTS = {
     "open": (0,),

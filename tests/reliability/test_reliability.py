@@ -13,6 +13,7 @@ from .corrupt import run_corrupt
 from .fuzz_metadata import run_fuzz
 from .importers import KINDS, run_importers
 from .kill import run_kill
+from .manager import run_manager
 from .race import run_race
 
 
@@ -38,6 +39,13 @@ def test_hostile_metadata_and_headers_raise_only_checkpoint_errors_within_bounds
 def test_racing_jobs_one_wins_the_other_is_refused_nothing_is_lost(tmp_path: Path) -> None:
     report = run_race(FAST["race"], SEED, workdir=str(tmp_path))
     assert report.trials == FAST["race"]
+    assert report.bad == {}, report.failure_message()
+
+
+def test_the_manager_counts_only_intact_steps_and_loses_none_to_damage_or_kill_9(tmp_path: Path) -> None:
+    report = run_manager(FAST["manager"], SEED, workdir=str(tmp_path))
+    assert report.trials == FAST["manager"]
+    assert report.counts["ok"] > 0
     assert report.bad == {}, report.failure_message()
 
 

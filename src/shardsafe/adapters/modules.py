@@ -12,10 +12,18 @@ the model's own memory, so filling them loads the model in place:
   of the flat parameter, described as a flattened range of the full parameter;
 - OLMo-core's FSDP (``ShardedFlatParameter``): a 1-D tensor carrying its own flat sharding spec,
   described by that spec as a flattened range in the same way (:mod:`.flat_sharded`).
+
+FSDP keeps some parameters unsharded after a forward pass with no backward after it (an evaluation
+pass, the Hugging Face flow): FSDP2 the root's (every module's with ``reshard_after_forward=False``),
+FSDP1 the root's flat parameter. Those unsharded copies are not the parameters the optimizer holds,
+and the next forward replaces them from the sharded ones; so, as torch's own ``state_dict()`` does,
+:func:`model_params` first switches every FSDP module back to its sharded parameters (local only:
+no collective, no copy).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +34,7 @@ from ..errors import ShardingError
 from .flat_sharded import flat_sharding
 from .sharded_tensor import ShardedTensor, view_as
 
-__all__ = ["ParamInfo", "model_params", "model_state"]
+__all__ = ["ParamInfo", "model_params", "model_state", "reshard_fsdp"]
 
 # child names that wrapper modules give the module they wrap; dropped from names
 _WRAPPED_CHILD = {"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
@@ -56,7 +64,9 @@ class ParamInfo:
 
 
 def model_params(model: nn.Module) -> list[ParamInfo]:
-    """Every parameter once (tied parameters under their first name), in module order."""
+    """Every parameter once (tied parameters under their first name), in module order; FSDP
+    modules are first switched back to their sharded parameters (:func:`reshard_fsdp`)."""
+    reshard_fsdp(model)
     flat = _fsdp1_ranges(model)
     seen: set[int] = set()
     out: list[ParamInfo] = []
@@ -120,6 +130,59 @@ def _walk(model: nn.Module, what: str):
             drop = wrapper and name in _WRAPPED_CHILD
             children.append((child, prefix if drop else f"{prefix}{name}."))
         stack.extend(reversed(children))
+
+
+def reshard_fsdp(model: nn.Module) -> None:
+    """Switch every FSDP module of ``model`` back to its sharded parameters, as torch's own
+    ``state_dict()`` and ``load_state_dict()`` do: after a forward with no backward, FSDP2 keeps
+    the root's parameters (every module's with ``reshard_after_forward=False``) unsharded and FSDP1
+    the root's flat parameter. Local to this rank; call it outside forward and backward."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return  # no FSDP module can exist
+    fsdp2 = _fsdp2_module_class()
+    for name, module in model.named_modules():
+        if fsdp2 is not None and isinstance(module, fsdp2):
+            module.reshard()  # FSDP2's public call: frees the unsharded parameters, registers the sharded ones
+        elif type(module).__name__ == "FullyShardedDataParallel":
+            _reshard_fsdp1(module, name)
+
+
+def _fsdp2_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # torch 2.4, 2.5
+        except ImportError:  # pragma: no cover - a torch without FSDP2
+            return None
+    return FSDPModule
+
+
+def _reshard_fsdp1(module: nn.Module, name: str) -> None:
+    handle = getattr(module, "_handle", None)
+    if handle is None or not handle.uses_sharded_strategy:
+        return
+    # after a forward FSDP1 points the root's parameters back at its shard but keeps the gathered copy, which
+    # the next forward then uses as it is, without gathering: what a load writes into the shard would be ignored
+    if handle.is_sharded(handle.flat_param) and (not hasattr(handle.flat_param, "_full_param_padded") or handle.needs_unshard()):
+        return  # sharded, nothing gathered held (or no forward yet: FSDP1 allocates its gather buffer lazily)
+    state = str(getattr(handle, "_training_state", "")).rsplit(".", 1)[-1]
+    if state != "IDLE":
+        raise ShardingError(
+            f"FSDP1 module {name or '<root>'!r} holds its parameters unsharded ({state}: inside "
+            f"{'FullyShardedDataParallel.summon_full_params' if state == 'SUMMON_FULL_PARAMS' else 'a forward or backward'}); "
+            "save and load outside it, where FSDP holds each rank's shard"
+        )
+    try:
+        from torch.distributed.fsdp._runtime_utils import _reshard
+    except ImportError:  # pragma: no cover - a torch that moved it: say what to do rather than guess
+        raise ShardingError(
+            f"FSDP1 module {name or '<root>'!r} holds its parameters unsharded (after a forward with no backward); "
+            "run a backward first, or call model.state_dict() before saving, so that FSDP reshards them"
+        ) from None
+    # as FSDP1 does after a backward: the sharded flat parameter (and its views) back, the gathered copy freed,
+    # so that the next forward gathers again (what a load wrote into the shards)
+    _reshard(module, handle, True)
 
 
 def _is_wrapper(module: nn.Module) -> bool:

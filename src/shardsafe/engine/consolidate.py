@@ -26,6 +26,7 @@ import os
 import re
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -56,7 +57,9 @@ from .bounds import check_files_hold
 from .buffers import WriteBehind, byte_view
 from .reader import Reader
 
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "shard_file_name", "unshard_to_safetensors"]
+__all__ = ["CONFIG_FILE", "INDEX_FILE", "SINGLE_FILE", "shard_file_name", "unshard_to_safetensors"]
+
+CONFIG_FILE = "config.json"  # transformers' model config, beside the weights
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ def unshard_to_safetensors(
     dtype: torch.dtype | None = None,
     progress: bool | Callable[[int, int], None] | None = None,
     knobs: Knobs | None = None,
+    config: Any = None,
 ) -> dict[str, int]:
     """Write every tensor of the checkpoint at ``dir`` into one safetensors file at ``out_path``
     or, with ``max_shard_size``, into a Hugging Face style folder at ``out_path``.
@@ -96,6 +100,13 @@ def unshard_to_safetensors(
     ``__metadata__``. Files of an earlier export there (the other layout, other shard counts)
     are removed once the new one is complete, only with ``overwrite=True``.
 
+    ``config`` (with ``max_shard_size`` only): the model's configuration, written to the folder as
+    ``config.json`` so that ``transformers``' ``from_pretrained(out_path)`` builds the right model:
+    a ``transformers.PretrainedConfig`` (written as its ``save_pretrained`` writes it), or the path
+    of a ``config.json`` (or of a folder holding one), copied after checking it is a JSON object.
+    Without it the folder holds the weights only, and a ``UserWarning`` says so and how to add
+    the config (``from_pretrained`` on such a folder builds a default model of its own choosing).
+
     ``dtype``: cast every floating-point tensor to it (``torch.bfloat16``, ...); other tensors
     are written as stored. Checksums are checked on the stored bytes, before the cast.
     ``progress``: ``True`` draws a progress bar (tqdm) on stderr; a callable is called as
@@ -113,7 +124,7 @@ def unshard_to_safetensors(
     existing object is refused (checked before writing). Needs no process group.
 
     Returns counts: ``tensors``, ``bytes`` (tensor data), ``file_bytes`` (all files written),
-    with ``max_shard_size`` ``files`` (data files written), ``values`` (JSON values written to ``__metadata__``), ``skipped_values``
+    with ``max_shard_size`` ``files`` (data files written) and ``config`` (1 if config.json was written, else 0), ``values`` (JSON values written to ``__metadata__``), ``skipped_values``
     (pickled values left out).
     """
     from ..dist import get_comm
@@ -129,10 +140,16 @@ def unshard_to_safetensors(
         raise CheckpointError(f"unshard_to_safetensors: max_shard_size must be a positive number of bytes, got {max_shard_size}")
     if dtype is not None and dtype not in SAFETENSORS_CODE:
         raise DtypeMismatchError(f"unshard_to_safetensors: dtype {dtype} cannot be stored in safetensors")
+    if config is not None and max_shard_size is None:
+        raise CheckpointError(
+            "unshard_to_safetensors: config= writes config.json beside the weights, in a folder: pass max_shard_size "
+            "as well (a folder as save_pretrained writes one; 5 * 10**9 is transformers' default)"
+        )
     knobs = knobs or KNOBS
     started = time.monotonic()
     out = os.fspath(out_path)
-    folder = _Folder(out, overwrite=overwrite) if max_shard_size is not None else None
+    config_json = _config_json(config) if config is not None else None
+    folder = _Folder(out, overwrite=overwrite, config=config_json) if max_shard_size is not None else None
     single = None if folder is not None else _Output(out, overwrite=overwrite, knobs=knobs)
     storage = open_storage(dir)
     meta = read_metadata(storage, get_comm(no_dist=True))
@@ -152,6 +169,14 @@ def unshard_to_safetensors(
             log.debug("unshard %s: wrote %s (%d tensors)", storage.url, output.where, len(names))
     if folder is not None:
         folder.finish(groups, outputs, total)
+        if config_json is None:
+            warnings.warn(
+                f"{folder.where}: the folder holds the weights only, no {CONFIG_FILE}: transformers' from_pretrained needs "
+                f"the model's config and without it builds a default model of its own. Pass config= (a PretrainedConfig, or "
+                f"the path of a config.json; --config on the command line), or copy the model's {CONFIG_FILE} into the folder",
+                UserWarning,
+                stacklevel=2,
+            )
     seconds = time.monotonic() - started
     log.info(
         "unshard %s -> %s: %d tensors, %d bytes in %d file(s), %.2f s, %.2f GB/s",
@@ -160,7 +185,38 @@ def unshard_to_safetensors(
     counts = {"tensors": len(entries), "bytes": total, "file_bytes": file_bytes, "values": len(values), "skipped_values": skipped}
     if folder is not None:
         counts["files"] = len(outputs)
+        counts["config"] = int(config_json is not None)
     return counts
+
+
+def _config_json(config: Any) -> bytes:
+    """The bytes of config.json for ``config``: a ``PretrainedConfig`` (anything with
+    ``to_json_string``), or the path of a config.json or of a folder holding one."""
+    if hasattr(config, "to_json_string") and not isinstance(config, (str, os.PathLike)):
+        text = config.to_json_string()  # what PretrainedConfig.save_pretrained writes
+        return text.encode() if isinstance(text, str) else bytes(text)
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(
+            f"unshard_to_safetensors: argument 'config' must be a transformers PretrainedConfig or the path of a "
+            f"config.json, got {type(config).__name__}"
+        )
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file: config= names the model's {CONFIG_FILE} (or a folder holding one)") from None
+    except OSError as e:
+        raise StorageError(f"{path}: cannot read the config: {e.strerror}") from e
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not a JSON file ({e}); config= names the model's {CONFIG_FILE}") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(doc).__name__}, a {CONFIG_FILE} holds an object")
+    return raw
 
 
 def _write_file(
@@ -298,8 +354,8 @@ def shard_file_name(i: int, n: int) -> str:
 class _Folder:
     """A Hugging Face style output folder: local or an object-store prefix."""
 
-    def __init__(self, out: str, *, overwrite: bool) -> None:
-        self.out, self.overwrite = out.rstrip("/") or out, overwrite
+    def __init__(self, out: str, *, overwrite: bool, config: bytes | None = None) -> None:
+        self.out, self.overwrite, self.config = out.rstrip("/") or out, overwrite, config
         scheme = url_scheme(out)
         if scheme not in (None, "file"):
             self.store = open_storage(self.out)
@@ -316,6 +372,8 @@ class _Folder:
             raise CheckpointExistsError(
                 f"{self.where}: an export is already there ({sorted(self.existing)[0]}); pass overwrite=True to replace it"
             )
+        if config is not None and CONFIG_FILE in existing and not overwrite:
+            raise CheckpointExistsError(f"{self.where}: a {CONFIG_FILE} is already there; pass overwrite=True to replace it")
 
     def _path(self, name: str) -> str:
         return f"{self.out}/{name}" if self.store is not None else os.path.join(self.where, name)
@@ -327,20 +385,12 @@ class _Folder:
     def finish(self, groups: list[list[str]], outputs: list[_Output], total: int) -> None:
         """Write the index (sharded exports), last; then remove what an earlier export left."""
         written = {os.path.basename(o.where) for o in outputs}
+        if self.config is not None:
+            self._write(CONFIG_FILE, self.config)
         if len(outputs) > 1:
             weight_map = {name: os.path.basename(o.where) for names, o in zip(groups, outputs) for name in names}
             doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            raw = (json.dumps(doc, indent=2) + "\n").encode()
-            index = _Output(self._path(INDEX_FILE), overwrite=True, knobs=KNOBS)
-            done = False
-            try:
-                with index.writer() as w:
-                    w.write(memoryview(raw))
-                index.publish()
-                done = True
-            finally:
-                if not done:
-                    index.discard()
+            self._write(INDEX_FILE, (json.dumps(doc, indent=2) + "\n").encode())
             written.add(INDEX_FILE)
         for name in self.existing:
             if name in written:
@@ -352,6 +402,19 @@ class _Folder:
                     os.unlink(os.path.join(self.where, name))
             except (OSError, StorageError) as e:
                 log.warning("%s: could not remove %s of an earlier export: %s", self.where, name, e)
+
+    def _write(self, name: str, raw: bytes) -> None:
+        """One small file of the folder, appearing whole (existing ones were checked in __init__)."""
+        output = _Output(self._path(name), overwrite=True, knobs=KNOBS)
+        done = False
+        try:
+            with output.writer() as w:
+                w.write(memoryview(raw))
+            output.publish()
+            done = True
+        finally:
+            if not done:
+                output.discard()
 
 
 def _select(

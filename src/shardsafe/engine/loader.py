@@ -49,8 +49,8 @@ def read_metadata(storage: Storage, comm: Comm) -> StorageMetadata:
     def read() -> bytes:
         try:
             return read_limited(storage, METADATA_FILENAME)  # a file grown sparse is refused, not read whole
-        except FileNotFoundError:
-            raise missing_metadata_error(storage, METADATA_FILENAME) from None  # another library's checkpoint, or uncommitted
+        except FileNotFoundError as e:  # another library's checkpoint, uncommitted, or nothing there
+            raise missing_metadata_error(storage, METADATA_FILENAME, e) from None
 
     raw = comm.broadcast(read)
     with paused_gc():

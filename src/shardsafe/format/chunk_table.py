@@ -14,6 +14,7 @@ Where each chunk's bytes are in its file, and their checksums, are in that file'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from math import prod
 from typing import Any
@@ -26,6 +27,8 @@ __all__ = ["ChunkTable", "decode_runs", "encode_runs"]
 
 _LIMIT = 1 << 62  # every value in a table is below this (as MAX_SIZE in metadata.py)
 _SMALL = 32  # up to this many chunks, overlap queries run in plain Python
+_MAX_CORNER_DIMS = 12  # tiles_box_by_box: at most 4096 corners per box
+_MAX_CORNER_VALUES = 1 << 25  # tiles_box_by_box: at most 256 MiB of corner coordinates
 
 
 def encode_runs(values: Sequence[int] | np.ndarray) -> list[list[int]]:
@@ -196,6 +199,76 @@ class ChunkTable:
         b = a + np.asarray(lens, dtype=np.int64)
         hit = ((self.offsets < b) & (self.offsets + self.lengths > a)).all(axis=1)
         return np.flatnonzero(hit).tolist()
+
+    def tiles_box_by_box(self, shape: tuple[int, ...]) -> bool:
+        """True when the chunks tile ``shape`` box by box: the flattened ranges of the chunks that
+        share a box tile that box (a whole-box chunk is the range ``[0, numel)``), and the distinct
+        boxes tile the tensor. Every layout shardsafe writes is of this form. False means either
+        that the chunks do not tile the tensor, or that they tile it in another way (a flattened
+        range that a chunk of another box completes); :func:`check_tiling` tells which.
+
+        Vectorized, in time about ``n log n`` for ``n`` chunks: the boxes tile the tensor exactly
+        when the signed corners of the boxes (``+1`` or ``-1`` by the number of upper bounds a
+        corner takes) sum, point by point, to those of the tensor's own box, as the indicator
+        function of a box is that signed sum of orthants and orthants of distinct corners are
+        linearly independent. Dimensions that every box spans whole are left out; a table with
+        boxes that differ in more than :data:`_MAX_CORNER_DIMS` dimensions is not tried (False)."""
+        n = len(self)
+        if n == 0:
+            return math.prod(shape) == 0
+        # the distinct boxes, and the flattened ranges of each
+        boxes = np.concatenate([self.offsets, self.lengths], axis=1)
+        numel = np.prod(self.lengths, axis=1) if len(shape) else np.ones(n, dtype=np.int64)  # of each chunk's box
+        starts = self.flat[:, 0] if self.flat is not None else np.zeros(n, dtype=np.int64)
+        stops = self.flat[:, 1] if self.flat is not None else numel
+        # sorted by box, then by range start (lexsort of int64 columns: np.unique(axis=0) sorts
+        # rows as opaque bytes, twenty times slower at a million chunks)
+        order = np.lexsort((starts, *boxes.T[::-1])) if len(shape) else np.argsort(starts, kind="stable")
+        sorted_boxes, lo, hi = boxes[order], starts[order], stops[order]
+        first = np.ones(n, dtype=bool)
+        first[1:] = (sorted_boxes[1:] != sorted_boxes[:-1]).any(axis=1)
+        last = np.ones(n, dtype=bool)
+        last[:-1] = first[1:]
+        distinct = sorted_boxes[first]
+        if bool((lo[first] != 0).any()) or bool((hi[last] != numel[order][last]).any()):
+            return False
+        if bool((lo[1:][~first[1:]] != hi[:-1][~first[1:]]).any()):  # within a box: each range starts where the last ended
+            return False
+        if not len(shape):
+            return True  # one box, the scalar, which its ranges tile
+        ndim = len(shape)
+        off, lens = distinct[:, :ndim], distinct[:, ndim:]
+        full = np.asarray(shape, dtype=np.int64)
+        dims = [d for d in range(ndim) if not (bool((off[:, d] == 0).all()) and bool((lens[:, d] == full[d]).all()))]
+        if not dims:
+            return len(distinct) == 1
+        if len(dims) > _MAX_CORNER_DIMS:
+            return False
+        lower, upper = off[:, dims], off[:, dims] + lens[:, dims]
+        k = len(dims)
+        if len(distinct) * (k << k) > _MAX_CORNER_VALUES:
+            return False
+        masks = np.arange(1 << k)
+        bits = (masks[:, None] >> np.arange(k)) & 1  # (2**k, k): 1 where a corner takes the upper bound
+        signs = np.where(bits.sum(axis=1) % 2 == 0, 1, -1)
+        corners = np.where(bits[None, :, :] == 1, upper[:, None, :], lower[:, None, :]).reshape(-1, k)
+        weights = np.tile(signs, len(distinct))
+        tensor = np.where(bits == 1, full[dims][None, :], 0)  # the tensor's own corners and signs
+        corners = np.concatenate([corners, tensor])
+        weights = np.concatenate([weights, -signs])
+        radix = full[dims] + 1
+        if math.prod(radix.tolist()) < _LIMIT:  # one int64 per corner: a 1-d sort, several times faster
+            keys = corners[:, 0]
+            for d in range(1, k):
+                keys = keys * radix[d] + corners[:, d]
+            order = np.argsort(keys, kind="stable")
+            same = keys[order][1:] == keys[order][:-1]
+        else:
+            order = np.lexsort(corners.T[::-1])
+            same = (corners[order][1:] == corners[order][:-1]).all(axis=1)
+        starts_at = np.flatnonzero(np.concatenate([[True], ~same]))
+        total = np.add.reduceat(weights[order], starts_at)  # the signed count at each distinct corner
+        return not bool(total.any())
 
     def grid_cells(self, shape: tuple[int, ...]) -> bool:
         """True when the chunks are whole boxes that are exactly the cells of a grid over

@@ -47,9 +47,9 @@ class FileIndex:
 
     __slots__ = ("digests", "entries", "name")
 
-    def __init__(self, name: str, entries: dict[str, tuple[int, int, int]], digests: np.ndarray) -> None:
+    def __init__(self, name: str, entries: dict[str, tuple[int, int, int, Any]], digests: np.ndarray) -> None:
         self.name = name
-        self.entries = entries
+        self.entries = entries  # name -> (begin, end, first digest, the dtype its header gives)
         self.digests = digests
 
     @staticmethod
@@ -63,7 +63,9 @@ class FileIndex:
             )
 
     @staticmethod
-    def parse_header(head: bytes | bytearray, info: Any, *, block_bytes: int, algorithm: str, where: str) -> tuple[dict[str, tuple[int, int, int]], int, int]:
+    def parse_header(
+        head: bytes | bytearray, info: Any, *, block_bytes: int, algorithm: str, where: str
+    ) -> tuple[dict[str, tuple[int, int, int, Any]], int, int]:
         """Check a data file's header bytes against ``info`` and parse it: ``(entries, begin,
         end)``, with the byte range of the checksum entry still to be read."""
         got = file_digest(head)
@@ -85,10 +87,10 @@ class FileIndex:
             offs = spec.get("data_offsets") if isinstance(spec, dict) else None
             if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs) and 0 <= offs[0] <= offs[1]):
                 raise CorruptCheckpointError(f"{where}: entry {entry!r} has no valid data_offsets")
-            spans.append((start + offs[0], start + offs[1], entry))
+            spans.append((start + offs[0], start + offs[1], entry, spec.get("dtype")))
         spans.sort()
         pos = start
-        for begin, end, entry in spans:
+        for begin, end, entry, _ in spans:
             if begin != pos:
                 raise CorruptCheckpointError(f"{where}: entry {entry!r} starts at byte {begin}, expected {pos}: entries must be back to back")
             pos = end
@@ -97,12 +99,12 @@ class FileIndex:
         if not spans or spans[-1][2] != SUMS_ENTRY:
             raise CorruptCheckpointError(f"{where}: the last entry must be {SUMS_ENTRY!r}, the checksums of the others")
         size = ALGORITHMS[algorithm].size
-        entries: dict[str, tuple[int, int, int]] = {}
+        entries: dict[str, tuple[int, int, int, Any]] = {}
         blocks = 0
-        for begin, end, entry in spans[:-1]:
-            entries[entry] = (begin, end, blocks)
+        for begin, end, entry, dtype in spans[:-1]:
+            entries[entry] = (begin, end, blocks, dtype)
             blocks += -(-(end - begin) // block_bytes)
-        s_begin, s_end, _ = spans[-1]
+        s_begin, s_end, _, _ = spans[-1]
         if s_end - s_begin != blocks * size:
             raise CorruptCheckpointError(
                 f"{where}: {SUMS_ENTRY!r} holds {s_end - s_begin} bytes, expected {blocks * size} for {blocks} block(s)"
@@ -110,7 +112,7 @@ class FileIndex:
         return entries, s_begin, s_end
 
     @classmethod
-    def from_parts(cls, name: str, entries: dict[str, tuple[int, int, int]], sums: bytes | bytearray, info: Any, *, algorithm: str, where: str) -> FileIndex:
+    def from_parts(cls, name: str, entries: dict[str, tuple[int, int, int, Any]], sums: bytes | bytearray, info: Any, *, algorithm: str, where: str) -> FileIndex:
         """The index of a file from its parsed header and the bytes of its checksum entry, checked
         against ``info``."""
         got = file_digest(sums)
@@ -121,8 +123,10 @@ class FileIndex:
             )
         return cls(name, entries, np.frombuffer(bytes(sums), dtype="<u8" if ALGORITHMS[algorithm].size == 8 else "<u4"))
 
-    def locate(self, entry: str, nbytes: int, *, key: str) -> tuple[int, int, int]:
-        """``(begin, end, first digest)`` of ``entry``, which must hold ``nbytes`` bytes."""
+    def locate(self, entry: str, nbytes: int, *, key: str, dtype: str) -> tuple[int, int, int]:
+        """``(begin, end, first digest)`` of ``entry``, which must hold ``nbytes`` bytes of
+        ``dtype`` (its safetensors code, as the metadata gives it): every read path finds its
+        chunks here, so none returns bytes that the header says are of another dtype."""
         got = self.entries.get(entry)
         if got is None:
             raise CorruptCheckpointError(
@@ -132,7 +136,12 @@ class FileIndex:
             raise CorruptCheckpointError(
                 f"{self.name}: tensor {key!r}: entry {entry!r} holds {got[1] - got[0]} bytes, the chunk needs {nbytes}"
             )
-        return got
+        if got[3] != dtype:
+            raise CorruptCheckpointError(
+                f"{self.name}: tensor {key!r}: entry {entry!r} holds dtype {str(got[3])[:20]} by the file's header, "
+                f"metadata.json says {dtype}; the metadata or the file is damaged, or they are not of one checkpoint"
+            )
+        return got[:3]
 
 
 class FileSource(Protocol):

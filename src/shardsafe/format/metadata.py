@@ -25,7 +25,7 @@ from ..errors import CorruptCheckpointError, DtypeMismatchError, ForeignCheckpoi
 from . import strict_json
 from .checksum import ALGORITHMS, ChunkSums, file_digest
 from .chunk_table import ChunkTable
-from .dtypes import torch_dtype
+from .dtypes import SAFETENSORS_CODE, torch_dtype
 from .file_index import FileSource, entry_name
 from .geometry import check_tiling, flat_segments, row_major_strides
 
@@ -41,6 +41,7 @@ __all__ = [
     "is_data_file_name",
     "keys_under",
     "megatron_advice",
+    "sealed_data_files",
 ]
 
 FORMAT_VERSION = 3
@@ -49,6 +50,9 @@ _SELF_CHECKSUM = re.compile(rb',"metadata_checksum":"([0-9a-f]{16})"\}\Z')
 MAX_SIZE = 1 << 62
 """Bound on every size and position in the metadata: dims, element counts, bytes, byte offsets."""
 MAX_NDIM = 64
+MAX_CHECKED_CHUNKS = 1 << 16
+"""Format v3: chunks of tables that do not tile their tensor box by box, checked one by one, per document."""
+_SMALL_TABLE = 32  # up to this many chunks, a table that is no grid is checked one by one (its error names the pieces)
 _MIN_ENTRY_BYTES = 26  # the shortest header entry, '"a":{"data_offsets":[0,0]}'
 _DATA_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
 
@@ -291,6 +295,7 @@ class TensorStorageMetadata(BaseModel):
         assert table is not None
         resolver = doc._bound(key)
         itemsize = self.torch_dtype.itemsize
+        code = SAFETENSORS_CODE[self.torch_dtype]
         for i in indices:
             f, off, lens, flat = table.chunk(i)
             try:
@@ -299,7 +304,7 @@ class TensorStorageMetadata(BaseModel):
                 raise type(e)(f"key {key!r}: {e}") from None
             name = entry_name(key, self.shape, off, lens, flat)
             numel = flat[1] - flat[0] if flat is not None else prod(lens)
-            begin, end, _ = index.locate(name, numel * itemsize, key=key)
+            begin, end, _ = index.locate(name, numel * itemsize, key=key, dtype=code)
             spec = built(
                 TensorShardSpec, {"global_offset": off, "local_shape": lens, "flattened_range": flat, "name": name, "byte_range": (begin, end)}
             )
@@ -315,7 +320,7 @@ class TensorStorageMetadata(BaseModel):
         if private["_table"] is not None and cfg is not None:
             doc, key = private["_doc"], private["_key"]
             index = doc._bound(key).file(doc._file_number(file))
-            first = index.locate(spec.name, nbytes, key=key)[2]
+            first = index.locate(spec.name, nbytes, key=key, dtype=SAFETENSORS_CODE[self.torch_dtype])[2]
             blocks = -(-nbytes // cfg.block_bytes)
             return ChunkSums(cfg.algorithm, cfg.block_bytes, nbytes, tuple(index.digests[first : first + blocks].tolist()), where)
         if cfg is None:
@@ -577,6 +582,7 @@ class StorageMetadata(BaseModel):
         # every chunk is an entry of its file's header, and an entry takes at least _MIN_ENTRY_BYTES
         # of it: this bounds what the tables may decode to by what the headers hold
         budget = sum(f.header_bytes for f in self.file_table) // _MIN_ENTRY_BYTES
+        checked_left = MAX_CHECKED_CHUNKS
         checked: dict[tuple[tuple[int, ...], str], ChunkTable] = {}
         for key, t in self.tensors.items():
             if t.table is None or t.shard_spec_per_file is not None:
@@ -591,7 +597,16 @@ class StorageMetadata(BaseModel):
             table = checked.get(same)
             if table is None:
                 table = ChunkTable.from_json(t.table, shape=t.shape, nfiles=len(names), what=f"{where}: tensor {key!r}", max_count=budget)
-                if not table.grid_cells(t.shape):  # the rule is cheap for a grid; anything else, chunk by chunk
+                # cheap for a grid, vectorized for any layout that tiles box by box (all a save
+                # writes); anything else chunk by chunk, for at most MAX_CHECKED_CHUNKS per document
+                if not table.grid_cells(t.shape) and not (len(table) > _SMALL_TABLE and table.tiles_box_by_box(t.shape)):
+                    if len(table) > checked_left:
+                        raise CorruptCheckpointError(
+                            f"{where}: tensor {key!r}: its {len(table)} chunks do not tile its shape {list(t.shape)} box by box, "
+                            f"and at most {MAX_CHECKED_CHUNKS} chunks of a document ({checked_left} left) are checked one by one "
+                            "(docs/format.md, bounds); the metadata is damaged"
+                        )
+                    checked_left -= len(table)
                     pieces = [table.chunk(i)[1:] for i in range(len(table))]
                     try:
                         check_tiling(key, t.shape, pieces)
@@ -714,6 +729,28 @@ def _layout_key(shape: tuple[int, ...], table: dict) -> tuple[tuple[int, ...], s
     return shape, json.dumps(table, separators=(",", ":"))
 
 
+def sealed_data_files(raw: bytes, *, where: str) -> set[str]:
+    """The data files ``metadata.json`` (``raw``, named ``where`` in errors) names, once it is
+    known to be the document a save wrote: formats v2 and v3 check its own checksum
+    (``metadata_checksum``), one pass of XXH3 over its bytes, and read no tensor or chunk; format
+    v1, which has none, is validated whole. Raises ``CorruptCheckpointError`` naming what is wrong.
+    What a step manager counts as committed; loading it checks everything else."""
+    try:
+        doc = strict_json.loads(raw)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {e}") from None
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if type(version) is not int or version < 2 or version > FORMAT_VERSION:
+        return StorageMetadata.from_json(raw, where=where).data_files()  # v1, or the errors from_json words
+    _check_self_checksum(raw, doc, where)
+    table, files = doc.get("file_table"), doc.get("files")
+    if version >= 3 and isinstance(table, list) and all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in table):
+        return {f["name"] for f in table}
+    if version == 2 and isinstance(files, dict):
+        return set(files)
+    return StorageMetadata.from_json(raw, where=where).data_files()  # sealed but malformed: from_json says how
+
+
 def _check_self_checksum(raw: bytes, doc: dict, where: str) -> None:
     """Format v2: the document ends with ``,"metadata_checksum":"<16 hex>"}``, the XXH3-64 of
     every byte before that member. Removes the member from ``doc``."""
@@ -738,6 +775,10 @@ def _check_shape(where: str, key: str, shape: tuple[int, ...], itemsize: int) ->
     for n in shape:
         if n < 0:
             raise CorruptCheckpointError(f"{where}: tensor {key!r} has shape {list(shape)}: a negative dimension")
+        if n >= MAX_SIZE:  # every dimension, not only the product: a zero elsewhere makes any product 0
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} has shape {list(shape)}: a dimension of 2**62 or more; refusing it"
+            )
         nbytes *= n
         if nbytes >= MAX_SIZE:  # n < MAX_SIZE too, as itemsize >= 1, so no intermediate product is huge
             raise CorruptCheckpointError(

@@ -275,9 +275,11 @@ class LocalStorage:
             finally:
                 os.close(fd)
         except FileNotFoundError:
+            if not os.path.lexists(self.root):  # the location itself is not there (a mistyped path): say so
+                raise FileNotFoundError(errno.ENOENT, "no such directory", self.root) from None
             raise
         except NotADirectoryError:  # the root is a file (a model.safetensors named as a checkpoint): nothing is in it
-            raise FileNotFoundError(errno.ENOENT, "no such file: the location is not a directory", path) from None
+            raise FileNotFoundError(errno.ENOTDIR, "no such file: the location is a file, not a directory", self.root) from None
         except OSError as e:
             raise StorageError(f"{path}: cannot read: {e.strerror}") from e
 
