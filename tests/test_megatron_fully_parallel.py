@@ -48,6 +48,8 @@ class CountingStorage:
     def _chunk_span(self, name: str) -> tuple[int, int]:
         """Where the file's chunks are: after the header, before the checksum entry (a file of
         another checkpoint format, such as DCP's .distcp: all of it)."""
+        if name in (".metadata", "common.pt"):  # a torch_dist checkpoint's metadata and common state, streamed: not chunks
+            return 0, 0
         if not name.endswith(".safetensors"):
             return 0, 1 << 62
         if name not in self._chunks:
