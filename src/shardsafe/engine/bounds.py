@@ -36,13 +36,16 @@ def check_files_hold(storage: Storage, tensors: Iterable[tuple[str, TensorStorag
             raise CorruptCheckpointError(f"key {key!r}: {e} (its chunks in that file end at byte {end})") from None
 
 
+_PROBE_ABOVE = 1 << 20
+
+
 def read_range(storage: Storage, file: str, offset: int, length: int) -> bytearray:
     """Bytes ``[offset, offset + length)`` of ``file``, where both numbers come from foreign
     metadata (a DCP ``.metadata``, a safetensors header): the file's last byte of the range is
     read first, so a length the file does not hold raises ``CorruptCheckpointError``
     (truncated) before the buffer is allocated; memory is then bounded by the bytes the file
-    really holds."""
-    if length:
+    really holds (plus at most 1 MiB)."""
+    if length > _PROBE_ABOVE:  # (a smaller buffer is the constant a read may cost before the file says no)
         storage.read_into(file, offset + length - 1, [memoryview(bytearray(1))])
     buf = bytearray(length)
     if length:
