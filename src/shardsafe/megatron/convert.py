@@ -39,8 +39,9 @@ from ..knobs import KNOBS, Knobs
 from ..storage import Location, Storage, open_storage
 from ._values import encode_value
 from .core import CONFIG_KEY, SHARDSAFE_BACKEND, CheckpointingConfig, CheckpointingException, maybe_load_config
+from .strategies.common import is_torch_dist_checkpoint, read_common_pt
 from .strategies.shardsafe import COMMON_KEY, FORMAT_VERSION
-from .strategies.torch_dist import TorchDistLoadShardedStrategy, is_torch_dist_checkpoint, read_common_pt
+from .strategies.torch_dist import TorchDistLoadShardedStrategy
 from .strategies.zarr import ZarrLoadShardedStrategy
 
 __all__ = ["convert_megatron"]

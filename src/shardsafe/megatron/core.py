@@ -14,6 +14,8 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from os import PathLike, fspath
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ..engine.bounds import read_limited
@@ -22,6 +24,7 @@ from ..format import strict_json
 from ..storage import Location, Storage, open_storage
 
 __all__ = [
+    "location",
     "CONFIG_FNAME",
     "CheckpointingConfig",
     "CheckpointingException",
@@ -183,3 +186,9 @@ def opened(location: Location) -> Iterator[Storage]:
     finally:
         if storage is not location:
             storage.close()
+
+
+def location(checkpoint_dir: str | Path | Storage) -> str | Storage:
+    """Where the engine finds the checkpoint: a path or URL as a string, or an opened
+    :class:`~shardsafe.storage.Storage` as it is."""
+    return checkpoint_dir if not isinstance(checkpoint_dir, (str, PathLike)) else fspath(checkpoint_dir)

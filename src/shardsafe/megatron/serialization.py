@@ -41,6 +41,7 @@ from .strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
+from .strategies.common import COMMON_FNAME
 from .strategies.shardsafe import (
     ShardsafeLoadShardedStrategy,
     ShardsafeSaveShardedStrategy,
@@ -48,7 +49,7 @@ from .strategies.shardsafe import (
     read_metadata,
     request_for,
 )
-from .strategies.torch_dist import COMMON_FNAME, TorchDistLoadShardedStrategy
+from .strategies.torch_dist import TorchDistLoadShardedStrategy
 from .strategies.zarr import ZarrLoadShardedStrategy
 from .utils import extract_sharded_base
 from .validation import StrictHandling, parse_strict_flag

@@ -51,6 +51,7 @@ from ..core import (
     CheckpointingConfig,
     CheckpointingException,
     NotADistributedCheckpointError,
+    location,
     maybe_load_config,
     megatron_errors,
     opened,
@@ -73,6 +74,7 @@ from .base import (
     StrategyAction,
     register_default_strategy,
 )
+from .common import read_common_pt
 
 __all__ = ["COMMON_KEY", "ShardsafeLoadShardedStrategy", "ShardsafeSaveShardedStrategy", "read_metadata"]
 
@@ -277,8 +279,6 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         ``common_backend="torch"``), Megatron's ``common.pt`` beside it, read safely."""
         config = meta.objects.get(CONFIG_KEY)
         if isinstance(config, dict) and config.get("common_backend") == "torch":
-            from .torch_dist import read_common_pt
-
             return read_common_pt(checkpoint_dir, allow_pickle=self.allow_pickle, strategy=type(self).__name__)
         if COMMON_KEY not in meta.objects:
             return {}
@@ -497,12 +497,6 @@ def _piece(v: ShardedTensor, *, saving: bool, stored_shape: tuple[int, ...] | No
         v.key, data, shape, v.global_offset, lengths, v.replica_id, p,
         slice(flat.start, flat.stop) if flat is not None else None,
     )
-
-
-def location(checkpoint_dir: str | Path | Storage) -> str | Storage:
-    """Where the engine finds the checkpoint: a path or URL as a string, or an opened
-    :class:`~shardsafe.storage.Storage` as it is."""
-    return checkpoint_dir if not isinstance(checkpoint_dir, (str, PathLike)) else fspath(checkpoint_dir)
 
 
 def read_metadata(checkpoint_dir: str | Path, *, no_dist: bool, comm: Comm | None = None) -> StorageMetadata:

@@ -21,76 +21,23 @@ from __future__ import annotations
 
 from math import prod
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from ... import adapters
 from ...dcp import dcp_format
 from ...dist import get_comm
-from ...engine.bounds import StoredFile
-from ...errors import CheckpointError, PickleNotAllowedError, ShardingError
-from ...format import safe_pickle
+from ...errors import ShardingError
 from ...format.geometry import check_tiling
 from ...storage import Storage, open_storage
-from ..core import CheckpointingException, opened
+from ..core import CheckpointingException, location, opened
 from ..mapping import ShardedObject, ShardedStateDict, StateDict
-from .shardsafe import ShardsafeLoadShardedStrategy, location, sharded_metadata, tensors_metadata
+from .common import is_torch_dist_checkpoint, read_common_pt, read_sharded_object
+from .shardsafe import ShardsafeLoadShardedStrategy, sharded_metadata, tensors_metadata
 
-__all__ = ["TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint", "read_common_pt", "read_sharded_object", "stored_pieces"]
-
-COMMON_FNAME = "common.pt"
-
-
-def safe_torch_load(raw: bytes | BinaryIO, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
-    """What ``torch.save`` wrote in ``raw`` (its bytes, or a seekable file of them), read by
-    :func:`shardsafe.format.safe_pickle.load_value_file` (megatron-core's safe globals); a pickle
-    that names any other global raises ``CheckpointingException`` naming it unless
-    ``allow_pickle``, ending with ``opt_in`` (by default: pass ``sharded_strategy=<strategy>(allow_pickle=True)``)."""
-    if opt_in is None:
-        opt_in = f"Pass sharded_strategy={strategy}(allow_pickle=True) only if you trust this checkpoint"
-    try:
-        return safe_pickle.load_value_file(raw, where=where, allow_pickle=allow_pickle, opt_in=opt_in)
-    except PickleNotAllowedError as e:
-        raise CheckpointingException(str(e)) from None
-    except CheckpointError as e:  # a damaged file
-        raise CheckpointingException(str(e)) from None
-
-
-def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> StateDict:
-    """Megatron's ``common.pt`` in ``checkpoint_dir`` (``{}`` if there is none); see :func:`safe_torch_load`."""
-    storage = open_storage(location(checkpoint_dir))
-    where = f"{storage.url.rstrip('/')}/{COMMON_FNAME}"  # the location, also when given a Storage
-    try:
-        if COMMON_FNAME not in storage.list():
-            return {}
-        # streamed: torch reads the parts of the archive it needs, whatever size the file claims
-        common = safe_torch_load(StoredFile(storage, COMMON_FNAME), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
-    finally:
-        if storage is not checkpoint_dir:
-            storage.close()
-    if not isinstance(common, dict):
-        raise CheckpointingException(f"{where} holds a {type(common).__name__}, not a dict")
-    return common
-
-
-def read_sharded_object(storage: Storage, item: dcp_format.DcpItem, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
-    """The value of the ShardedObject stored as ``item`` (see :func:`safe_torch_load`)."""
-    stored = safe_torch_load(bytes(dcp_format.read_item(storage, item)), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
-    if not isinstance(stored, list) or not stored:  # Megatron saves [value] (the values of the cell's holders on one rank)
-        raise CheckpointingException(f"{where}: holds a {type(stored).__name__}, not the one-item list megatron-core stores")
-    return stored[0]
-
-
-def is_torch_dist_checkpoint(checkpoint_dir: str | Path | Storage) -> bool:
-    """True if ``checkpoint_dir`` holds DCP's ``.metadata`` (a torch_dist checkpoint)."""
-    storage = open_storage(location(checkpoint_dir))
-    try:
-        return dcp_format.DCP_METADATA in storage.list()
-    finally:
-        if storage is not checkpoint_dir:
-            storage.close()
-
+__all__ = ["TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint", "read_common_pt", "read_sharded_object", "stored_pieces"]  # the readers of
+# Megatron's own files live in strategies.common and are re-exported here, where they always were
 
 class _Stored(NamedTuple):
     shape: tuple[int, ...]  # the global shape Megatron's ShardedTensors have

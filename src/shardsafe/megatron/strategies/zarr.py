@@ -10,7 +10,7 @@ arrays uncompressed, with no filters, in C order, one chunk per ShardedTensor bo
 padded to the full chunk shape). :class:`ZarrLoadShardedStrategy` reads exactly that and
 refuses other Zarr arrays (compressed, filtered, Fortran order), naming the array.
 Read from a local directory only. ``common.pt`` and the ShardedObjects are read as for ``torch_dist``
-(:func:`~shardsafe.megatron.strategies.torch_dist.safe_torch_load`).
+(:func:`~shardsafe.megatron.strategies.common.safe_torch_load`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from ...format.metadata import MAX_SIZE as _MAX_SIZE
 from ...storage import Storage
 from ...storage.base import DCP_METADATA
 from ...storage.local import open_nofollow
-from ..core import CheckpointingException, opened
-from .shardsafe import location
-from .torch_dist import TorchDistLoadShardedStrategy, _Stored, safe_torch_load
+from ..core import CheckpointingException, location, opened
+from .common import safe_torch_load
+from .torch_dist import TorchDistLoadShardedStrategy, _Stored
 
 __all__ = ["ZarrLoadShardedStrategy"]
 
