@@ -344,3 +344,15 @@ def test_an_unsafe_common_pt_is_reported_with_its_location_when_given_a_storage(
     with pytest.raises(CheckpointingException, match=rf"^{src}/common\.pt: the pickle names posix\.system"):
         load_common_state_dict(str(src))
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_dcp_data_file_name_holding_a_nul_byte_is_refused_as_corrupt(tmp_path):
+    src = _dcp(tmp_path / "dcp")
+
+    def nul(meta):
+        idx = _last_item(meta)
+        meta.storage_data[idx] = dataclasses.replace(meta.storage_data[idx], relative_path="x\x00")
+
+    _edit_dcp_metadata(src, nul)
+    with pytest.raises(CorruptCheckpointError, match=r"relative_path is 'x\\x00'"):
+        shardsafe.dcp.convert(str(src), str(tmp_path / "out"))

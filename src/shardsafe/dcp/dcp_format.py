@@ -262,7 +262,7 @@ def _location(key: str, info: Any, bad) -> DcpItem:
     path = getattr(info, "relative_path", None)
     offset = getattr(info, "offset", None)
     length = getattr(info, "length", None)
-    if not isinstance(path, str):
+    if not isinstance(path, str) or "\x00" in path:  # (a NUL makes os.open raise ValueError)
         raise bad(f"key {key!r}: relative_path is {path!r}")
     try:
         check_name(path)
