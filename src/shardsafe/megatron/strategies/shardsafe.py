@@ -41,7 +41,7 @@ from ...engine.background import AsyncSave
 from ...engine.file_index import bind_files
 from ...engine.loader import read_metadata as read_committed
 from ...errors import ForeignCheckpointError, IncompleteCheckpointError
-from ...format.metadata import METADATA_FILENAME, StorageMetadata
+from ...format.metadata import METADATA_FILENAME, StorageMetadata, TensorStorageMetadata
 from ...knobs import Knobs
 from ...storage import Storage, open_storage
 from .._values import decode_value, encode_value
@@ -543,7 +543,9 @@ def tensors_metadata(meta: StorageMetadata) -> ShardedStateDict:
 
 def _saved_flattened(t: Any) -> bool:
     """Whether any stored chunk of ``t`` is a flattened range (a v3 chunk table has ``flat`` only then)."""
-    table = getattr(t, "_table", None)
+    if not isinstance(t, TensorStorageMetadata):  # a tensor of megatron-core's own torch_dist checkpoint: as stored
+        return False
+    table = t.__pydantic_private__["_table"]
     if table is not None:
         return table.flat is not None
     return any(spec.flattened_range is not None for _, spec in t.chunks())
