@@ -277,10 +277,10 @@ def test_sharded_and_split_replicated_tensors_changed_after_return_are_not_in_th
 
 
 class _Said(logging.Handler):
-    """The INFO (and louder) lines of shardsafe's loggers."""
+    """The lines of shardsafe's loggers, DEBUG and louder (shardsafe logs its diagnostics at DEBUG)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -293,7 +293,7 @@ def _staged_in_parts(rank, ws, root, budget):
     logger = logging.getLogger("shardsafe")
     said, level = _Said(), logger.level
     logger.addHandler(said)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.DEBUG)
     try:
         lines = []
         for name, ckpt in (("parts", Checkpointer(knobs=knobs(replica_split_bytes=SPLIT, async_staging_bytes=budget))),
@@ -319,7 +319,7 @@ def _bulk(ws: int, version: int) -> dict:
 def test_a_save_larger_than_the_staging_budget_is_staged_in_parts_and_says_so(tmp_path, ws, budget):
     results = run_ranks(ws, _staged_in_parts, str(tmp_path), budget)
     for rank, (parts, whole) in enumerate(results):
-        assert [line for line in parts if "in parts" in line], f"rank {rank}: no INFO line on logger shardsafe says the save staged in parts: {parts}"
+        assert [line for line in parts if "in parts" in line], f"rank {rank}: no DEBUG line on logger shardsafe says the save staged in parts: {parts}"
         assert not [line for line in whole if "in parts" in line], f"rank {rank}: {whole}"
     for name in ("parts", "whole"):
         _assert_dist(str(tmp_path / name), 1)
