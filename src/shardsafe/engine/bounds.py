@@ -161,7 +161,12 @@ above any real one, far below a file grown sparse to claim a terabyte."""
 def read_limited(storage: Storage, name: str, limit: int = MAX_JSON_BYTES) -> bytes:
     """The whole of ``name`` (``FileNotFoundError`` if missing, as ``storage.read``), unless it
     holds more than ``limit`` bytes: ``CorruptCheckpointError`` then, found by reading one byte
-    at ``limit`` before anything is allocated."""
+    at ``limit`` before anything is allocated. From local storage only: there the probe is one
+    pread, and a file grown sparse costs nothing to make; from an object store it would add two
+    requests to every load's metadata read (a ranged GET past the end, then the HEAD that tells
+    the size), so the object's one GET reads it as it is."""
+    if storage.local_root is None:
+        return storage.read(name)
     try:
         storage.read_into(name, limit, [memoryview(bytearray(1))])
     except (CorruptCheckpointError, StorageError, OSError):  # shorter (or missing, a link...: storage.read says which)
