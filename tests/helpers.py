@@ -285,15 +285,24 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
             raise
         try:
             result = fn(rank, world_size, *args)
+        except BaseException as e:  # noqa: BLE001 - reported before the group goes: the others' collectives then
+            _report(queue, rank, e)  # fail with "connection reset", and the parent takes the first report it gets
+            dist.destroy_process_group()
+            return
+        try:
             dist.barrier()  # gloo aborts at exit without it, now and then
         finally:
             dist.destroy_process_group()
         queue.put((rank, True, result, ""))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        try:
-            queue.put((rank, False, e, traceback.format_exc()))
-        except Exception:  # unpicklable exception: send its text
-            queue.put((rank, False, RuntimeError(repr(e)), traceback.format_exc()))
+        _report(queue, rank, e)
+
+
+def _report(queue, rank: int, e: BaseException) -> None:
+    try:
+        queue.put((rank, False, e, traceback.format_exc()))
+    except Exception:  # unpicklable exception: send its text
+        queue.put((rank, False, RuntimeError(repr(e)), traceback.format_exc()))
 
 
 class _PortTaken(Exception):
