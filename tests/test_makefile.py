@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -15,9 +16,15 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 
 def _commands(target: str, tmp_path: Path) -> list[str]:
-    """The commands ``make TARGET`` runs on a fresh clone (a virtual environment not made yet)."""
+    """The commands ``make TARGET`` runs on a fresh clone (a virtual environment not made yet).
+
+    Run under ``make test`` (CI), the outer make's MAKEFLAGS/MAKELEVEL would make this one a sub-make that
+    prints "Entering/Leaving directory" lines between the commands: both are dropped from its environment.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     r = run_process(
-        ["make", "-n", "-B", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["make", "--no-print-directory", "-n", "-B", target, f"VENV={tmp_path / 'venv'}"],
+        cwd=ROOT, capture_output=True, text=True, check=True, env=env,
     )
     return [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
 
