@@ -367,6 +367,28 @@ def test_write_file_creates_the_root(tmp_path: Path) -> None:
 # --- read_into -------------------------------------------------------------------------------
 
 
+def test_read_with_a_limit_returns_a_file_up_to_it_and_refuses_a_larger_one_by_its_size(storage) -> None:
+    _write(storage, "m.json", PAYLOAD)
+    assert storage.read("m.json", limit=len(PAYLOAD)) == PAYLOAD
+    assert storage.read("m.json", limit=None) == PAYLOAD
+    with pytest.raises(CorruptCheckpointError) as e:
+        storage.read("m.json", limit=len(PAYLOAD) - 1)
+    where = f"{storage.url.rstrip('/')}/m.json" if not isinstance(storage, LocalStorage) else os.path.join(storage.root, "m.json")
+    assert str(e.value) == f"{where}: holds 1024 bytes, more than the 1023 such a file may hold; refusing to read it"
+    with pytest.raises(FileNotFoundError):
+        storage.read("absent.json", limit=10)
+
+
+def test_a_local_file_grown_sparse_to_a_terabyte_is_refused_without_reading_it(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path))
+    with open(tmp_path / "metadata.json", "wb") as f:
+        f.truncate(1 << 40)  # costs nothing to make; reading it whole would need a terabyte
+    with pytest.raises(CorruptCheckpointError, match=r"metadata.json: holds 1099511627776 bytes, more than the 1073741824 "):
+        storage.read("metadata.json", limit=1 << 30)
+    with pytest.raises(CorruptCheckpointError, match=r"holds 1099511627776 bytes"):
+        Checkpointer().unshard(str(tmp_path))  # the metadata reader of every load reads with that limit
+
+
 def test_read_into_fills_several_buffers_in_order(storage) -> None:
     _write(storage, "d.bin", PAYLOAD)
     sizes = [3, 0, 100, 1, 250, 7]

@@ -12,11 +12,12 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable
 
-from ..errors import CorruptCheckpointError, StorageError
+from ..errors import CorruptCheckpointError
 from ..format.metadata import TensorStorageMetadata
+from ..format.safetensors_file import MAX_HEADER
 from ..storage import Storage
 
-__all__ = ["MAX_JSON_BYTES", "StoredFile", "check_files_hold", "read_limited", "read_range"]
+__all__ = ["MAX_JSON_BYTES", "StoredFile", "check_files_hold", "read_header_prefix", "read_limited", "read_range"]
 
 
 def check_files_hold(storage: Storage, tensors: Iterable[tuple[str, TensorStorageMetadata]]) -> None:
@@ -51,6 +52,22 @@ def read_range(storage: Storage, file: str, offset: int, length: int) -> bytearr
     if length:
         storage.read_into(file, offset, [memoryview(buf)])
     return buf
+
+
+def read_header_prefix(storage: Storage, file: str, file_size: int | None = None) -> bytearray:
+    """The first ``8 + n`` bytes of safetensors ``file``: its header length ``n`` and its JSON
+    header, for :func:`~shardsafe.format.safetensors_file.parse_header`. A length above
+    safetensors' own limit, or past ``file_size`` (the size our metadata records, if known),
+    raises ``ValueError`` saying which, before anything is allocated; a file too short for its
+    header raises ``CorruptCheckpointError`` (truncated), as :func:`read_range`."""
+    head = bytearray(8)
+    storage.read_into(file, 0, [memoryview(head)])
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER:
+        raise ValueError(f"header length {n} exceeds the {MAX_HEADER}-byte limit safetensors allows")
+    if file_size is not None and 8 + n > file_size:
+        raise ValueError(f"header length {n} runs past the file's size in the metadata ({file_size} bytes)")
+    return read_range(storage, file, 0, 8 + n)
 
 
 class StoredFile(io.RawIOBase):
@@ -159,16 +176,7 @@ above any real one, far below a file grown sparse to claim a terabyte."""
 
 
 def read_limited(storage: Storage, name: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The whole of ``name`` (``FileNotFoundError`` if missing, as ``storage.read``), unless it
-    holds more than ``limit`` bytes: ``CorruptCheckpointError`` then, found by reading one byte
-    at ``limit`` before anything is allocated. From local storage only: there the probe is one
-    pread, and a file grown sparse costs nothing to make; from an object store it would add two
-    requests to every load's metadata read (a ranged GET past the end, then the HEAD that tells
-    the size), so the object's one GET reads it as it is."""
-    if storage.local_root is None:
-        return storage.read(name)
-    try:
-        storage.read_into(name, limit, [memoryview(bytearray(1))])
-    except (CorruptCheckpointError, StorageError, OSError):  # shorter (or missing, a link...: storage.read says which)
-        return storage.read(name)
-    raise CorruptCheckpointError(f"{storage.url.rstrip('/')}/{name}: holds more than {limit} bytes, more than such a file ever does; refusing to read it")
+    """The whole of ``name`` (``FileNotFoundError`` if missing), unless it holds more than
+    ``limit`` bytes: ``CorruptCheckpointError`` then, before its bytes are read
+    (``Storage.read(limit=)``: a stat on disk, the GET response's size from an object store)."""
+    return storage.read(name, limit=limit)

@@ -19,9 +19,9 @@ import re
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
-from ..errors import StorageError
+from ..errors import CorruptCheckpointError, StorageError
 
-__all__ = ["STORAGE_METHODS", "URL_SCHEME", "Directory", "Location", "Storage", "Writer", "check_local_path", "check_name", "url_scheme"]
+__all__ = ["STORAGE_METHODS", "URL_SCHEME", "Directory", "Location", "Storage", "Writer", "check_local_path", "check_name", "too_large", "url_scheme"]
 
 
 class Writer(Protocol):
@@ -66,8 +66,11 @@ class Storage(Protocol):
         fetches them concurrently (many small reads of one file, such as a strided box's rows).
         Errors as for ``read_into``."""
 
-    def read(self, name: str) -> bytes:
-        """The whole file; ``FileNotFoundError`` if it does not exist."""
+    def read(self, name: str, *, limit: int | None = None) -> bytes:
+        """The whole file; ``FileNotFoundError`` if it does not exist. With ``limit``, a file that
+        holds more than ``limit`` bytes raises ``CorruptCheckpointError`` (naming it, its size and
+        the limit) before its bytes are read: its size is known from the open file (a stat) or the
+        object's GET response, so the bound costs no extra request."""
 
     def read_versioned(self, name: str) -> tuple[bytes, str]:
         """The whole file and an opaque token of this version of it, for ``put_atomic(if_match=)``;
@@ -129,6 +132,13 @@ def check_local_path(path: str) -> str:
 DCP_METADATA = ".metadata"
 """torch.distributed.checkpoint's metadata file: the one name starting with a dot that is allowed
 (``shardsafe.dcp`` reads DCP checkpoints)."""
+
+
+def too_large(where: str, size: int | str, limit: int) -> CorruptCheckpointError:
+    """The error of ``Storage.read(..., limit=)`` for a file of ``size`` bytes at ``where``."""
+    return CorruptCheckpointError(
+        f"{where}: holds {size} bytes, more than the {limit} such a file may hold; refusing to read it"
+    )
 
 
 def check_name(name: str) -> str:

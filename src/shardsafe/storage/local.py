@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 from ..errors import CorruptCheckpointError, StorageError
 from ..knobs import KNOBS, Knobs
-from .base import check_name
+from .base import check_name, too_large
 
 __all__ = ["LocalStorage", "open_nofollow", "read_nofollow"]
 
@@ -259,17 +259,23 @@ class LocalStorage:
             if n:
                 views[0] = views[0][n:]
 
-    def read(self, name: str) -> bytes:
-        return self._read(name, versioned=False)[0]
+    def read(self, name: str, *, limit: int | None = None) -> bytes:
+        return self._read(name, versioned=False, limit=limit)[0]
 
     def read_versioned(self, name: str) -> tuple[bytes, str]:
         return self._read(name, versioned=True)
 
-    def _read(self, name: str, *, versioned: bool) -> tuple[bytes, str]:
+    def _read(self, name: str, *, versioned: bool, limit: int | None = None) -> tuple[bytes, str]:
         path = self._path(name)
         try:
             fd = self._open(name, os.O_RDONLY)
             try:
+                if limit is not None:  # the size first (a file grown sparse costs nothing to make), then
+                    size = os.fstat(fd).st_size  # at most limit + 1 bytes read: one growing meanwhile is caught too
+                    data = _read_all(fd, bound=limit) if size <= limit else b""
+                    if size > limit or len(data) > limit:
+                        raise too_large(path, max(size, len(data)), limit)
+                    return data, ""
                 data = _read_all(fd)
                 return data, _token(os.fstat(fd), data) if versioned else ""
             finally:

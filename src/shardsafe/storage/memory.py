@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import CorruptCheckpointError, StorageError
-from .base import check_name
+from .base import check_name, too_large
 
 __all__ = ["MemoryStorage"]
 
@@ -84,8 +84,11 @@ class MemoryStorage:
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.url}/{name}: data file named in the metadata is missing") from None
 
-    def read(self, name: str) -> bytes:
-        return self.read_versioned(name)[0]
+    def read(self, name: str, *, limit: int | None = None) -> bytes:
+        data = self.read_versioned(name)[0]
+        if limit is not None and len(data) > limit:
+            raise too_large(f"{self.url}/{name}", len(data), limit)
+        return data
 
     def read_versioned(self, name: str) -> tuple[bytes, str]:
         check_name(name)

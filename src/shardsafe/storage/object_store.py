@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, StorageError
 from ..knobs import KNOBS, Knobs
-from .base import check_name
+from .base import check_name, too_large
 from .cloud_config import ObjectStoreOptions, build_store, parse_object_url
 
 __all__ = ["ObjectStorage"]
@@ -256,21 +256,27 @@ class ObjectStorage:
             size = "fewer bytes"
         return CorruptCheckpointError(f"{self.url}/{name}: truncated: needed bytes [{offset}, {offset + want}) but the file has {size}")
 
-    def read(self, name: str) -> bytes:
-        return self.read_versioned(name)[0]
+    def read(self, name: str, *, limit: int | None = None) -> bytes:
+        return self._get(name, limit)[0]
 
     def read_versioned(self, name: str) -> tuple[bytes, str]:
+        return self._get(name, None)
+
+    def _get(self, name: str, limit: int | None) -> tuple[bytes, str]:
         _check_fork(self.url)
         import obstore
 
         check_name(name)
         try:
             got = obstore.get(self._store, name)
-            data = got.bytes().to_bytes()
+            size = got.meta["size"]  # from the response's headers, before its body is read
+            data = got.bytes().to_bytes() if limit is None or size <= limit else None
         except Exception as e:
             if _is_missing_object(e):
                 raise FileNotFoundError(f"{self.url}/{name}") from None
             raise self._error(e, name, "read failed") from e
+        if data is None:
+            raise too_large(f"{self.url}/{name}", size, limit)
         meta = got.meta
         version = {k: meta[k] for k in ("e_tag", "version") if meta.get(k) is not None}
         return data, json.dumps(version, sort_keys=True)
