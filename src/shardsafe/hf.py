@@ -24,7 +24,7 @@ from ._progress import rank_progress, targets_done
 from .adapters import describe_state
 from .adapters.modules import model_state
 from .dist import Comm, get_comm
-from .engine.bounds import check_files_hold, read_limited, read_range
+from .engine.bounds import check_files_hold, read_header_prefix, read_limited
 from .engine.outputs import INDEX_FILE, SINGLE_FILE
 from .engine.reader import Reader
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, StorageError
@@ -32,7 +32,7 @@ from .format import strict_json
 from .format.checksum import ChunkSums
 from .format.dtypes import SAFETENSORS_CODE
 from .format.metadata import MAX_NDIM, MAX_SIZE, TensorShardSpec, TensorStorageMetadata, built
-from .format.safetensors_file import MAX_HEADER, parse_header
+from .format.safetensors_file import parse_header
 from .knobs import KNOBS, Knobs
 from .storage import Location, Storage, open_storage
 from .storage.base import url_scheme
@@ -179,17 +179,10 @@ def _files(storage: Storage, name: str, where: str) -> tuple[list[str], dict[str
 def _read_header(storage: Storage, file: str, where: str) -> bytes:
     fwhere = f"{storage.url.rstrip('/')}/{file}"
     try:
-        head = bytearray(8)
-        storage.read_into(file, 0, [memoryview(head)])
-        n = int.from_bytes(head, "little")
-        if n > MAX_HEADER:
-            raise CorruptCheckpointError(f"{fwhere}: not a valid safetensors file: header length {n} exceeds the {MAX_HEADER}-byte limit")
-        raw = read_range(storage, file, 0, 8 + n)  # a length the file does not hold is refused before allocating
+        raw = read_header_prefix(storage, file)  # a length the file does not hold is refused before allocating
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{fwhere}: no such file (named by {where})") from None
-    except CorruptCheckpointError as e:
-        if "not a valid safetensors" in str(e):
-            raise
+    except (ValueError, CorruptCheckpointError) as e:
         raise CorruptCheckpointError(f"{fwhere}: not a valid safetensors file: {e}") from None
     return bytes(raw)
 

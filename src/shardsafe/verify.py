@@ -15,11 +15,12 @@ from typing import Any
 
 from ._args import check_arg, check_bool
 from ._progress import progress_callback
+from .engine.bounds import read_header_prefix
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.checksum import file_digest
 from .format.dtypes import SAFETENSORS_CODE
 from .format.metadata import StorageMetadata
-from .format.safetensors_file import MAX_HEADER, parse_header
+from .format.safetensors_file import parse_header
 from .knobs import KNOBS
 from .storage import open_storage
 
@@ -142,15 +143,7 @@ def verify_report(
         where = f"{storage.url.rstrip('/')}/{file}"
         info = infos.get(file)
         try:
-            head = bytearray(8)
-            storage.read_into(file, 0, [memoryview(head)])
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER:
-                raise ValueError(f"header length {n} exceeds the {MAX_HEADER}-byte limit safetensors allows")
-            if info is not None and 8 + n > info.size:
-                raise ValueError(f"header length {n} runs past the file's size in the metadata ({info.size} bytes)")
-            prefix = bytearray(8 + n)
-            storage.read_into(file, 0, [memoryview(prefix)])
+            prefix = read_header_prefix(storage, file, None if info is None else info.size)
             if info is not None and file_digest(prefix) != info.header:
                 raise ValueError(
                     f"header checksum mismatch: metadata says {info.header}, the header hashes to {file_digest(prefix)}"

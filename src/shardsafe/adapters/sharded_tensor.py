@@ -4,12 +4,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
 import torch
 
 from ..errors import ShardingError
 
-__all__ = ["ShardedTensor", "view_as"]
+__all__ = ["ShardedTensor", "flattened_range_problem", "view_as"]
+
+
+def flattened_range_problem(fr: Any, local_shape: tuple[int, ...], data_shape: tuple[int, ...] | None) -> str | None:
+    """What is wrong with a piece's ``flattened_range`` ``fr`` (a ``slice(start, stop)`` of its box
+    ``local_shape`` flattened row-major, holding ``data`` of ``data_shape``), or ``None``.
+
+    The one rule for both front ends: :class:`ShardedTensor` raises it as ``ShardingError``,
+    ``shardsafe.megatron``'s ``ShardedTensor`` as Megatron's ``CheckpointingException``.
+    ``data_shape`` ``None``: the piece has no data yet (Megatron's metadata-only tensors).
+    """
+    if not isinstance(fr, slice) or fr.step not in (None, 1) or fr.start is None or fr.stop is None:
+        return f"flattened_range must be slice(start, stop) without a step, got {fr!r}"
+    if not 0 <= fr.start <= fr.stop <= prod(local_shape):
+        return f"flattened_range {fr} lies outside the {prod(local_shape)} elements of local_shape {list(local_shape)}"
+    if data_shape is not None and (len(data_shape) != 1 or data_shape[0] != fr.stop - fr.start):
+        return (
+            f"flattened data must be 1-D with {fr.stop - fr.start} elements for flattened_range {fr}, "
+            f"got shape {list(data_shape)}"
+        )
+    return None
 
 
 @dataclass
@@ -45,18 +66,9 @@ class ShardedTensor:
                 f"{list(self.global_offset)} and local_shape {list(self.local_shape)} must have the same length"
             )
         if self.flattened_range is not None:
-            fr = self.flattened_range
-            if fr.step not in (None, 1) or fr.start is None or fr.stop is None:
-                raise ShardingError(f"ShardedTensor {self.key!r}: flattened_range must be slice(start, stop), got {fr}")
-            if not 0 <= fr.start <= fr.stop <= prod(self.local_shape):
-                raise ShardingError(
-                    f"ShardedTensor {self.key!r}: flattened_range {fr} outside a box of {prod(self.local_shape)} elements"
-                )
-            if self.data.dim() != 1 or self.data.numel() != fr.stop - fr.start:
-                raise ShardingError(
-                    f"ShardedTensor {self.key!r}: data must be 1-D with {fr.stop - fr.start} elements for "
-                    f"flattened_range {fr}, got shape {list(self.data.shape)}"
-                )
+            problem = flattened_range_problem(self.flattened_range, self.local_shape, tuple(self.data.shape))
+            if problem is not None:
+                raise ShardingError(f"ShardedTensor {self.key!r}: {problem}")
         elif prod(self.data.shape) != prod(self.local_shape):
             raise ShardingError(
                 f"ShardedTensor {self.key!r}: data of shape {list(self.data.shape)} does not fill local_shape {list(self.local_shape)}"

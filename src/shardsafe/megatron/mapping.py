@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..adapters.sharded_tensor import flattened_range_problem
 from .core import CheckpointingException
 from .dict_utils import dict_list_map_inplace
 
@@ -113,13 +114,9 @@ class ShardedTensor(ShardedBase):
             )
         fr = self.flattened_range
         if fr is not None:
-            if not isinstance(fr, slice) or fr.step is not None or fr.start is None or fr.stop is None:
-                raise CheckpointingException(f"{where}: flattened_range must be slice(start, stop) without a step, got {fr!r}")
-            if not 0 <= fr.start <= fr.stop <= prod(self.local_shape):
-                raise CheckpointingException(
-                    f"{where}: flattened_range {fr} lies outside the {prod(self.local_shape)} elements of local_shape "
-                    f"{self.local_shape}"
-                )
+            problem = flattened_range_problem(fr, self.local_shape, None)
+            if problem is not None:
+                raise CheckpointingException(f"{where}: {problem}")
         if self.axis_fragmentations is not None:
             for off, n in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
                 if n and off % n:
@@ -137,11 +134,10 @@ class ShardedTensor(ShardedBase):
                 raise CheckpointingException(
                     f"{where}: data has shape {tuple(self.data.shape)}, local_shape is {self.local_shape}"
                 )
-        elif self.data.dim() != 1 or self.data.numel() != fr.stop - fr.start:
-            raise CheckpointingException(
-                f"{where}: flattened data must be 1-D with {fr.stop - fr.start} elements for flattened_range {fr}, "
-                f"got shape {tuple(self.data.shape)}"
-            )
+        else:
+            problem = flattened_range_problem(fr, self.local_shape, tuple(self.data.shape))
+            if problem is not None:
+                raise CheckpointingException(f"{where}: {problem}")
 
     @property
     def has_regular_grid(self) -> bool:
