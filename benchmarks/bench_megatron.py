@@ -182,7 +182,7 @@ class Methods:
         if method.startswith("shardsafe"):
             from shardsafe.megatron import save
             from shardsafe.megatron.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-            from shardsafe.megatron.strategies.shardsafe import ShardsafeSaveShardedStrategy
+            from shardsafe.megatron.strategies.native import ShardsafeSaveShardedStrategy
 
             strategy = FullyParallelSaveStrategyWrapper(ShardsafeSaveShardedStrategy(), self.dp_group) if method.endswith("-fp") else None
             save(sd, path, sharded_strategy=strategy)
@@ -200,7 +200,7 @@ class Methods:
         if method.startswith("shardsafe"):
             from shardsafe.megatron import load
             from shardsafe.megatron.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-            from shardsafe.megatron.strategies.shardsafe import ShardsafeLoadShardedStrategy
+            from shardsafe.megatron.strategies.native import ShardsafeLoadShardedStrategy
 
             strategy = FullyParallelLoadStrategyWrapper(ShardsafeLoadShardedStrategy(), group) if method.endswith("-fp") else None
             return load(sd, path, sharded_strategy=strategy)

@@ -99,7 +99,7 @@ def _timed_phases() -> None:
     import shardsafe.engine.loader as loader
     import shardsafe.engine.reader as rd
     import shardsafe.megatron.serialization as ser
-    import shardsafe.megatron.strategies.shardsafe as ss
+    import shardsafe.megatron.strategies.native as ss
 
     def wrap(owner, name, label):
         fn = getattr(owner, name)

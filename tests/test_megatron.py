@@ -307,7 +307,7 @@ def _refusals(rank: int, ws: int, root: str) -> list[tuple[str, str, bool]]:
         "object-cell-missing": {"o": ShardedObject("o", rank, (3,), (rank,))},
         "tensor-and-object": {"w": ShardedTensor.from_rank_offsets("w", full.clone(), replica_id=rank) if rank else ShardedObject("w", 1, (1,), (0,))},
     }
-    from shardsafe.megatron.strategies.shardsafe import _STATS
+    from shardsafe.megatron.strategies.native import _STATS
 
     # a valid save, checked; the same structure again is not checked again; then rank 1 changes
     # its sharding, and the check (rank 0's part from the cache) refuses it

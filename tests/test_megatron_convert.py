@@ -106,10 +106,10 @@ def test_a_converted_checkpoint_stores_what_shardsafe_megatron_save_stores(conve
 
 
 def test_convert_streams_chunk_by_chunk_and_reports_progress(torch_dist_dir, tmp_path):
-    from shardsafe.dcp import dcp_format
+    from shardsafe.dcp import distcp
     from shardsafe.storage import open_storage
 
-    ckpt = dcp_format.read_dcp_checkpoint(open_storage(torch_dist_dir))
+    ckpt = distcp.read_dcp_checkpoint(open_storage(torch_dist_dir))
     chunks = [le for _, _, entries in ckpt.tensors.values() for _, le, _ in entries]
     seen: list[tuple[int, int]] = []
     meta = convert_megatron(torch_dist_dir, str(tmp_path / "p"), progress=lambda done, total: seen.append((done, total)))

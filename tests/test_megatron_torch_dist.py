@@ -91,10 +91,10 @@ def _fully_parallel_torch_dist(rank: int, world: int, path: str) -> dict:
 
 
 def test_fully_parallel_load_of_a_torch_dist_checkpoint_reads_each_chunk_once_per_group(torch_dist_dir):
-    from shardsafe.dcp import dcp_format
+    from shardsafe.dcp import distcp
     from shardsafe.storage import open_storage
 
-    ckpt = dcp_format.read_dcp_checkpoint(open_storage(torch_dist_dir))
+    ckpt = distcp.read_dcp_checkpoint(open_storage(torch_dist_dir))
     stored = sum(item.length for _, _, chunks in ckpt.tensors.values() for _, _, item in chunks)
     results = run_ranks(2, _fully_parallel_torch_dist, torch_dist_dir)
     assert all(r[name][1:] == (True, 7) for r in results for name in ("plain", "parallel"))

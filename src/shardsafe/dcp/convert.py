@@ -29,7 +29,7 @@ from ..format.metadata import StorageMetadata
 from ..format.values import encode_tagged
 from ..knobs import KNOBS, Knobs
 from ..storage import Location, open_storage
-from . import dcp_format
+from . import distcp
 
 __all__ = ["convert"]
 
@@ -65,16 +65,16 @@ def convert(
     check_bool("shardsafe.dcp.convert", "allow_pickle", allow_pickle)
     knobs = knobs or KNOBS
     source = open_storage(src)
-    ckpt = dcp_format.read_dcp_checkpoint(source)
+    ckpt = distcp.read_dcp_checkpoint(source)
     out = open_storage(dst)
     listed = out.list()
     seen = committed_version(out)
     if seen is not None and not overwrite:
         raise CheckpointExistsError(f"{out.url}: a checkpoint is already committed there; pass overwrite=True to replace it")
 
-    values = {key: dcp_format.load_value(dcp_format.read_item(source, it), it, ckpt.where, allow_pickle=allow_pickle) for key, it in ckpt.values.items()}
+    values = {key: distcp.load_value(distcp.read_item(source, it), it, ckpt.where, allow_pickle=allow_pickle) for key, it in ckpt.values.items()}
     as_json, pickled = encode_tagged(values, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")
-    lightning = dcp_format.read_lightning_meta(
+    lightning = distcp.read_lightning_meta(
         source, allow_pickle=allow_pickle, opt_in="pass allow_pickle=True to shardsafe.dcp.convert only if you trust this checkpoint"
     )
     if lightning is not None:  # a Lightning sharded folder: its loop state kept as shardsafe.lightning keeps it
@@ -95,7 +95,7 @@ def convert(
     total = sum(prod(c.lengths) * ckpt.tensors[c.key][0].itemsize for chunks in files for c in chunks)
 
     def load(c: Chunk) -> torch.Tensor:
-        return dcp_format.load_tensor(dcp_format.read_item(source, c.source), c.source, ckpt.tensors[c.key][0], c.lengths, ckpt.where)
+        return distcp.load_tensor(distcp.read_item(source, c.source), c.source, ckpt.tensors[c.key][0], c.lengths, ckpt.where)
 
     try:
         meta = write_checkpoint(
@@ -114,7 +114,7 @@ def convert(
 def _lightning_meta_key(values: dict[str, Any], where: str) -> str:
     if LIGHTNING_META_KEY in values:
         raise CorruptCheckpointError(
-            f"{where}: holds a value {LIGHTNING_META_KEY!r} and a Lightning {dcp_format.LIGHTNING_META_FILE} beside it, which would be "
+            f"{where}: holds a value {LIGHTNING_META_KEY!r} and a Lightning {distcp.LIGHTNING_META_FILE} beside it, which would be "
             f"stored under the same key; remove one of them before converting"
         )
     return LIGHTNING_META_KEY
@@ -124,5 +124,5 @@ def _encode_lightning_meta(meta: dict[str, Any], url: str, allow_pickle: bool) -
     """Lightning's checkpoint dict as the JSON value ``shardsafe.lightning.read_meta`` decodes."""
     from ..format.values import encode_value, plain_mappings
 
-    where = f"{url.rstrip('/')}/{dcp_format.LIGHTNING_META_FILE}"
+    where = f"{url.rstrip('/')}/{distcp.LIGHTNING_META_FILE}"
     return encode_value(plain_mappings(meta), where=where, allow_pickle=allow_pickle, opt_in="or pass allow_pickle=True to shardsafe.dcp.convert")

@@ -15,7 +15,7 @@ Non-tensor values are shown under their own keys and, for containers stored whol
 (``optim.param_groups``), under the dotted keys of their leaves as DCP's flattening names them
 (``optim.param_groups.0.lr``), so a DCP state dict finds them.
 
-DCP checkpoints: ``.metadata`` is unpickled through an allowlist (:mod:`.dcp_format`); each stored
+DCP checkpoints: ``.metadata`` is unpickled through an allowlist (:mod:`.distcp`); each stored
 chunk is read once (exactly its byte range), loaded by shardsafe's restricted unpickler and
 copied into every target box that needs it. DCP stores no checksums.
 
@@ -66,7 +66,7 @@ from ..planning.read_plan import ReadItem as OurReadItem
 from ..planning.read_plan import StoredIndex
 from ..storage import Location
 from ..storage.base import DCP_METADATA
-from . import dcp_format
+from . import distcp
 from ._location import Located
 from .values import dcp_leaves, get_path, torch_saved
 
@@ -94,7 +94,7 @@ class StorageReader(Located, _DcpStorageReader):
         self.allow_pickle = allow_pickle
         self.knobs = knobs or KNOBS
         self._ours: _OurCheckpoint | None = None
-        self._dcp: dcp_format.DcpCheckpoint | None = None
+        self._dcp: distcp.DcpCheckpoint | None = None
         self.load_id = uuid.uuid4().hex
 
     # -- DCP's interface ------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class StorageReader(Located, _DcpStorageReader):
                 f"{storage.url}: not a committed checkpoint: {state} has neither {METADATA_FILENAME} (shardsafe) nor "
                 f"{DCP_METADATA} (torch.distributed.checkpoint)"
             )
-        self._dcp = dcp_format.read_dcp_checkpoint(storage)  # .metadata streamed to the unpickler
+        self._dcp = distcp.read_dcp_checkpoint(storage)  # .metadata streamed to the unpickler
         meta = self._dcp.metadata
         meta.storage_meta = StorageMeta(checkpoint_id=storage.url, load_id=self.load_id)
         return meta
@@ -207,7 +207,7 @@ class StorageReader(Located, _DcpStorageReader):
         with Reader(storage, self.knobs) as reader:
             reader.load_planned(batches(), done=done)
 
-    def _read_dcp(self, ckpt: dcp_format.DcpCheckpoint, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _read_dcp(self, ckpt: distcp.DcpCheckpoint, plan: LoadPlan, planner: LoadPlanner) -> None:
         storage = self._open()
         try:
             by_chunk: dict[tuple[str, tuple[int, ...]], list[ReadItem]] = {}
@@ -217,7 +217,7 @@ class StorageReader(Located, _DcpStorageReader):
                     item = ckpt.values.get(fqn)
                     if item is None:
                         raise CorruptCheckpointError(f"{ckpt.where}: no stored value {fqn!r}")
-                    value = dcp_format.load_value(dcp_format.read_item(storage, item), item, ckpt.where, allow_pickle=self.allow_pickle)
+                    value = distcp.load_value(distcp.read_item(storage, item), item, ckpt.where, allow_pickle=self.allow_pickle)
                     planner.load_bytes(it, torch_saved(value))
                     continue
                 by_chunk.setdefault((fqn, tuple(it.storage_index.offset or ())), []).append(it)
@@ -227,7 +227,7 @@ class StorageReader(Located, _DcpStorageReader):
                 if found is None:
                     raise CorruptCheckpointError(f"{ckpt.where}: key {fqn!r} has no stored chunk at {list(offsets)}")
                 lens, loc = found
-                src = dcp_format.load_tensor(dcp_format.read_item(storage, loc), loc, dtype, lens, ckpt.where)
+                src = distcp.load_tensor(distcp.read_item(storage, loc), loc, dtype, lens, ckpt.where)
                 for it in items:
                     part = src
                     for d, (o, n) in enumerate(zip(it.storage_offsets, it.lengths)):
@@ -245,7 +245,7 @@ class StorageReader(Located, _DcpStorageReader):
             storage.close()
 
 
-def _chunk_order(ckpt: dcp_format.DcpCheckpoint, chunk: tuple[str, tuple[int, ...]]) -> tuple[str, int]:
+def _chunk_order(ckpt: distcp.DcpCheckpoint, chunk: tuple[str, tuple[int, ...]]) -> tuple[str, int]:
     """Read chunks in file order."""
     fqn, offsets = chunk
     for off, _, loc in ckpt.tensors.get(fqn, (None, None, []))[2]:

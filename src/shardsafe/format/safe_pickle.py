@@ -17,7 +17,7 @@ Allowlists (a mapping from name to a function giving the object):
   and Megatron's enums ``ModelType``, ``AttnBackend``, ``RerunDiagnostic``, ``RerunMode``,
   ``RerunState``. An enum is Megatron's own class when megatron-core is importable, otherwise a
   stand-in of the same name whose members have the same ``.name`` and ``.value``.
-- callers add their own (DCP's metadata classes, :mod:`shardsafe.dcp.dcp_format`).
+- callers add their own (DCP's metadata classes, :mod:`shardsafe.dcp.distcp`).
 
 :func:`load_archive` reads a ``torch.save`` zip archive (tensors on the CPU); a legacy
 (non-zip) ``torch.save`` file or a bare pickle is refused there. :func:`load_pickle` reads a bare

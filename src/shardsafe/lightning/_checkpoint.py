@@ -310,7 +310,7 @@ def _consolidate_lightning_dcp_folder(path: str, allow_pickle: bool) -> dict[str
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from ..dcp import StorageReader
-    from ..dcp.dcp_format import checkpoint_error_of, read_lightning_meta
+    from ..dcp.distcp import checkpoint_error_of, read_lightning_meta
 
     state: dict[str, Any] = {}
     try:

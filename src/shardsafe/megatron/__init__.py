@@ -39,9 +39,9 @@ from .validation import StrictHandling
 
 def register_with_megatron() -> None:
     """Register shardsafe's strategies with megatron-core (see
-    :func:`shardsafe.megatron.megatron_core.register_with_megatron`); needs ``pip install megatron-core``."""
+    :func:`shardsafe.megatron.registration.register_with_megatron`); needs ``pip install megatron-core``."""
     try:
-        from .megatron_core import register_with_megatron as register
+        from .registration import register_with_megatron as register
     except ImportError as e:
         raise ImportError(f"shardsafe.megatron.register_with_megatron needs megatron-core (pip install megatron-core): {e}") from e
     register()

@@ -28,7 +28,7 @@ from typing import Any
 
 from .._args import check_bool
 from .._progress import conversion_progress
-from ..dcp import dcp_format
+from ..dcp import distcp
 from ..engine.commit import committed_version
 from ..engine.rewrite import Chunk, write_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, ShardingError
@@ -40,7 +40,7 @@ from ..storage import Location, Storage, open_storage
 from ._values import encode_value
 from .core import CONFIG_KEY, SHARDSAFE_BACKEND, CheckpointingConfig, CheckpointingException, maybe_load_config
 from .strategies.common import is_torch_dist_checkpoint, read_common_pt
-from .strategies.shardsafe import COMMON_KEY, FORMAT_VERSION
+from .strategies.native import COMMON_KEY, FORMAT_VERSION
 from .strategies.torch_dist import TorchDistLoadShardedStrategy
 from .strategies.zarr import ZarrLoadShardedStrategy
 
@@ -150,12 +150,12 @@ def _reader(source: Storage) -> TorchDistLoadShardedStrategy:
         hint = "; it is a shardsafe checkpoint already" if backend == SHARDSAFE_BACKEND else ""
         raise CheckpointingException(
             f"{source.url}: not a megatron-core torch_dist or zarr checkpoint: it holds {len(listed)} file(s) but no "
-            f"{dcp_format.DCP_METADATA}{hint}"
+            f"{distcp.DCP_METADATA}{hint}"
         )
     if backend != "torch_dist":
         found = "no Megatron metadata.json" if config is None else f"a metadata.json with sharded_backend {backend!r}"
         raise CheckpointingException(
-            f"{source.url}: not a megatron-core torch_dist checkpoint: it has DCP's {dcp_format.DCP_METADATA} but {found} (a plain "
+            f"{source.url}: not a megatron-core torch_dist checkpoint: it has DCP's {distcp.DCP_METADATA} but {found} (a plain "
             "torch.distributed.checkpoint folder converts with shardsafe.dcp.convert)"
         )
     return TorchDistLoadShardedStrategy()

@@ -18,16 +18,10 @@ from typing import Any
 import torch
 
 from ..checkpointer import Checkpointer
-from ..dcp.dcp_format import DCP_METADATA
 from ..dist import get_comm
 from .core import (
-    SHARDSAFE_BACKEND,
-    CheckpointingConfig,
     CheckpointingException,
-    config_from_document,
-    maybe_load_config,
     megatron_errors,
-    opened,
 )
 from .dict_utils import merge, nested_values
 from .mapping import CommonStateDict, ShardedObject, ShardedStateDict, ShardedTensor, StateDict, apply_factory_merges
@@ -41,18 +35,23 @@ from .strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
-from .strategies.common import COMMON_FNAME
-from .strategies.shardsafe import (
+from .strategies.native import (
     ShardsafeLoadShardedStrategy,
     ShardsafeSaveShardedStrategy,
-    location,
     read_metadata,
     request_for,
 )
-from .strategies.torch_dist import TorchDistLoadShardedStrategy
-from .strategies.zarr import ZarrLoadShardedStrategy
 from .utils import extract_sharded_base
-from .validation import StrictHandling, parse_strict_flag
+from .validation import (
+    StrictHandling,
+    config_of,
+    load_strategy,
+    megatron_reader,
+    parse_strict_flag,
+    reads_torch_dist,
+    strategy_for_dir,
+    verify_checkpoint_and_load_strategy,
+)
 
 __all__ = [
     "CkptShardedMetadata",
@@ -144,9 +143,9 @@ def load(
     unexpected_keys)``.
     """
     strict = parse_strict_flag(strict)
-    strategy = _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), common_strategy)
+    strategy = load_strategy(strategy_for_dir(checkpoint_dir, sharded_strategy), common_strategy)
     meta: Any
-    if _reads_torch_dist(strategy):
+    if reads_torch_dist(strategy):
         meta = strategy.view(checkpoint_dir)  # type: ignore[attr-defined]
         comm = get_comm(call="shardsafe.megatron.load")
     else:
@@ -174,53 +173,11 @@ def load(
     return common
 
 
-def _megatron_reader(checkpoint_dir: Any) -> TorchDistLoadShardedStrategy | None:
-    """The strategy that reads the checkpoint megatron-core's own ``torch_dist`` (DCP files and
-    Megatron's config) or ``zarr`` backend wrote at ``checkpoint_dir``; None for any other."""
-    with opened(location(checkpoint_dir)) as storage:
-        files = storage.list()
-    # a listing first: a shardsafe checkpoint's metadata.json (it may be large) is not read here
-    torch_dist = DCP_METADATA in files
-    if not torch_dist and (COMMON_FNAME not in files or any(f.endswith(".safetensors") for f in files)):
-        return None
-    config = maybe_load_config(location(checkpoint_dir))
-    if config is None:
-        return None
-    if config.sharded_backend == "torch_dist" and torch_dist:
-        return TorchDistLoadShardedStrategy()
-    if config.sharded_backend == "zarr":
-        return ZarrLoadShardedStrategy()
-    return None
-
-
-def _is_torch_dist(checkpoint_dir: Any) -> bool:
-    """True for a checkpoint megatron-core's torch_dist or zarr backend wrote."""
-    return _megatron_reader(checkpoint_dir) is not None
-
-
-def _reads_torch_dist(strategy: Any) -> bool:
-    """Whether ``strategy`` (or the strategy it wraps) reads megatron-core torch_dist checkpoints."""
-    return isinstance(strategy, TorchDistLoadShardedStrategy) or isinstance(getattr(strategy, "base_strategy", None), TorchDistLoadShardedStrategy)
-
-
-def _for_dir(checkpoint_dir: Any, sharded_strategy: Any) -> Any:
-    """``sharded_strategy``, or for None the strategy that reads the checkpoint at ``checkpoint_dir``."""
-    if sharded_strategy is None:
-        return _megatron_reader(checkpoint_dir)
-    return sharded_strategy
-
-
-def config_of(meta: Any) -> CheckpointingConfig:
-    """The :class:`CheckpointingConfig` of a shardsafe checkpoint's metadata (see
-    :func:`~shardsafe.megatron.core.config_from_document`)."""
-    return config_from_document({"format_version": meta.format_version, "objects": meta.objects})  # type: ignore[return-value]
-
-
 @megatron_errors
 def load_common_state_dict(checkpoint_dir: str | Path) -> StateDict:
     """The checkpoint's common state (no process group needed). Values saved with pickle need
     ``ShardsafeLoadShardedStrategy(allow_pickle=True).load_common(checkpoint_dir)``."""
-    reader = _megatron_reader(checkpoint_dir)
+    reader = megatron_reader(checkpoint_dir)
     if reader is not None:
         return reader.load_common(checkpoint_dir)
     return ShardsafeLoadShardedStrategy().load_common(checkpoint_dir)
@@ -230,7 +187,7 @@ def load_common_state_dict(checkpoint_dir: str | Path) -> StateDict:
 def load_tensors_metadata(checkpoint_dir: str | Path, sharded_strategy: LoadShardedStrategy | None = None) -> ShardedStateDict:
     """Every stored tensor as a ShardedTensor without data or sharding (global shape and dtype),
     by key (no process group needed)."""
-    return _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), None).load_tensors_metadata(checkpoint_dir)
+    return load_strategy(strategy_for_dir(checkpoint_dir, sharded_strategy), None).load_tensors_metadata(checkpoint_dir)
 
 
 @megatron_errors
@@ -240,14 +197,14 @@ def load_sharded_metadata(
     common_strategy: LoadCommonStrategy | None = None,
 ) -> ShardedStateDict:
     """:func:`load_tensors_metadata` plus every stored ShardedObject (by unique key), without data."""
-    return _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), common_strategy).load_sharded_metadata(checkpoint_dir)
+    return load_strategy(strategy_for_dir(checkpoint_dir, sharded_strategy), common_strategy).load_sharded_metadata(checkpoint_dir)
 
 
 @megatron_errors
 def load_plain_tensors(checkpoint_dir: str | Path) -> StateDict:
     """Every stored tensor, whole, by key (not the common state). Needs no process group; in
     a distributed job each rank that calls it reads every tensor."""
-    reader = _megatron_reader(checkpoint_dir)
+    reader = megatron_reader(checkpoint_dir)
     if reader is not None:
         return reader.load_plain(checkpoint_dir)
     meta = read_metadata(checkpoint_dir, no_dist=True)
@@ -278,7 +235,7 @@ def load_content_metadata(
 @megatron_errors
 def remove_sharded_tensors(checkpoint_dir: str | Path, key_prefix: str) -> None:
     """Remove the tensors whose key starts with ``key_prefix`` from the checkpoint (on one process)."""
-    _load_strategy(None, None).remove_sharded_tensors(checkpoint_dir, key_prefix)
+    load_strategy(None, None).remove_sharded_tensors(checkpoint_dir, key_prefix)
 
 
 def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
@@ -297,29 +254,6 @@ def get_default_load_sharded_strategy(checkpoint_dir: str | Path) -> LoadSharded
     return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
 
 
-@megatron_errors
-def verify_checkpoint_and_load_strategy(
-    checkpoint_dir: str | Path,
-    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
-    common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
-) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
-    """The strategies that load the checkpoint at ``checkpoint_dir`` (shardsafe's strategy loads
-    both parts), after checking that it is a checkpoint they read."""
-    strategy = _load_strategy(_for_dir(checkpoint_dir, sharded_strategy), common_strategy)
-    if _reads_torch_dist(strategy):
-        config = maybe_load_config(location(checkpoint_dir))
-        if config is None or not _is_torch_dist(checkpoint_dir):
-            raise CheckpointingException(
-                f"{checkpoint_dir} is not a megatron-core torch_dist or zarr checkpoint (no Megatron metadata.json, or a "
-                "torch_dist one without .metadata)"
-            )
-    else:
-        config = config_of(read_metadata(checkpoint_dir, no_dist=True))
-    strategy.check_backend_compatibility(config.sharded_backend)
-    strategy.check_version_compatibility(config.sharded_backend_version)
-    return strategy, strategy
-
-
 def _save_strategy(sharded_strategy: Any) -> ShardsafeSaveShardedStrategy:
     if sharded_strategy is None:
         sharded_strategy = get_default_save_sharded_strategy()
@@ -329,22 +263,5 @@ def _save_strategy(sharded_strategy: Any) -> ShardsafeSaveShardedStrategy:
         raise CheckpointingException(
             f"sharded_strategy {sharded_strategy} is not supported: shardsafe.megatron saves with "
             "shardsafe.megatron.strategies.ShardsafeSaveShardedStrategy (the default, also for ('torch_dist', 1))"
-        )
-    return sharded_strategy
-
-
-def _load_strategy(sharded_strategy: Any, common_strategy: Any) -> ShardsafeLoadShardedStrategy:
-    if common_strategy is not None and common_strategy is not sharded_strategy:
-        raise CheckpointingException(
-            f"common_strategy {common_strategy!r} is not supported: the sharded strategy loads the common state; pass None"
-        )
-    if sharded_strategy is None:
-        sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, SHARDSAFE_BACKEND, 1)
-    elif isinstance(sharded_strategy, tuple):
-        sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *sharded_strategy)
-    if not isinstance(sharded_strategy, ShardsafeLoadShardedStrategy):
-        raise CheckpointingException(
-            f"sharded_strategy {sharded_strategy!r} is not supported: shardsafe.megatron loads with "
-            "shardsafe.megatron.strategies.ShardsafeLoadShardedStrategy (the default)"
         )
     return sharded_strategy

@@ -21,7 +21,7 @@ from .base import (
     register_default_strategy,
 )
 from .fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
-from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
+from .native import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
 from .torch_dist import TorchDistLoadShardedStrategy
 from .zarr import ZarrLoadShardedStrategy
 

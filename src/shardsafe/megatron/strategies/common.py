@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ...dcp import dcp_format
+from ...dcp import distcp
 from ...engine.bounds import StoredFile
 from ...errors import CheckpointError, PickleNotAllowedError
 from ...format import safe_pickle
@@ -66,9 +66,9 @@ def read_common_pt(checkpoint_dir: str | Path | Storage, *, allow_pickle: bool, 
     return common
 
 
-def read_sharded_object(storage: Storage, item: dcp_format.DcpItem, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
+def read_sharded_object(storage: Storage, item: distcp.DcpItem, where: str, *, allow_pickle: bool, strategy: str, opt_in: str | None = None) -> Any:
     """The value of the ShardedObject stored as ``item`` (see :func:`safe_torch_load`)."""
-    stored = safe_torch_load(bytes(dcp_format.read_item(storage, item)), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
+    stored = safe_torch_load(bytes(distcp.read_item(storage, item)), where, allow_pickle=allow_pickle, strategy=strategy, opt_in=opt_in)
     if not isinstance(stored, list) or not stored:  # Megatron saves [value] (the values of the cell's holders on one rank)
         raise CheckpointingException(f"{where}: holds a {type(stored).__name__}, not the one-item list megatron-core stores")
     return stored[0]
@@ -78,7 +78,7 @@ def is_torch_dist_checkpoint(checkpoint_dir: str | Path | Storage) -> bool:
     """True if ``checkpoint_dir`` holds DCP's ``.metadata`` (a torch_dist checkpoint)."""
     storage = open_storage(location(checkpoint_dir))
     try:
-        return dcp_format.DCP_METADATA in storage.list()
+        return distcp.DCP_METADATA in storage.list()
     finally:
         if storage is not checkpoint_dir:
             storage.close()

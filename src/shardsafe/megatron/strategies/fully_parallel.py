@@ -34,7 +34,7 @@ from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict,
 from ..utils import _sharded_object_id, _sharded_tensor_shard_id
 from .async_utils import AsyncRequest
 from .base import LoadShardedStrategy, SaveShardedStrategy
-from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
+from .native import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
 
 __all__ = [
     "FullyParallelLoadStrategyWrapper",

@@ -17,7 +17,7 @@ from typing import Any
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict
 from .base import StrategyAction, register_default_strategy
-from .shardsafe import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
+from .native import ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
 from .torch_dist import TorchDistLoadShardedStrategy
 
 __all__ = [

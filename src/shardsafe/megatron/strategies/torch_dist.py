@@ -4,7 +4,7 @@ Such a directory holds DCP's ``.metadata`` and ``.distcp`` files (the sharded pa
 ``common.pt`` (``torch.save`` of the common state, rank 0) and Megatron's own ``metadata.json``.
 :class:`TorchDistLoadShardedStrategy` loads it into any layout through
 :func:`shardsafe.megatron.serialization.load`, built on shardsafe's DCP importer
-(:mod:`shardsafe.dcp.dcp_format`: ``.metadata`` through an allowlisted unpickler, each stored
+(:mod:`shardsafe.dcp.distcp`: ``.metadata`` through an allowlisted unpickler, each stored
 chunk through shardsafe's restricted unpickler). ``common.pt`` and the ShardedObjects are read by
 the same unpickler (:mod:`shardsafe.format.safe_pickle`) with what megatron-core's own
 ``safe_globals`` admit (numpy arrays, ``argparse.Namespace``, Megatron's enums, torch dtypes);
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ... import adapters
-from ...dcp import dcp_format
+from ...dcp import distcp
 from ...dist import get_comm
 from ...errors import ShardingError
 from ...format.geometry import check_tiling
@@ -34,7 +34,7 @@ from ...storage import Storage, open_storage
 from ..core import CheckpointingException, location, opened
 from ..mapping import ShardedObject, ShardedStateDict, StateDict
 from .common import is_torch_dist_checkpoint, read_common_pt, read_sharded_object
-from .shardsafe import ShardsafeLoadShardedStrategy, sharded_metadata, tensors_metadata
+from .native import ShardsafeLoadShardedStrategy, sharded_metadata, tensors_metadata
 
 __all__ = ["TorchDistLoadShardedStrategy", "is_torch_dist_checkpoint", "read_common_pt", "read_sharded_object", "stored_pieces"]  # the readers of
 # Megatron's own files live in strategies.common and are re-exported here, where they always were
@@ -50,8 +50,8 @@ class _View(NamedTuple):
     each tensor's stored chunks (:meth:`pieces`) and how to read one (:meth:`load_chunk`)."""
 
     tensors: dict[str, _Stored]
-    objects: dict[str, dcp_format.DcpItem]
-    ckpt: dcp_format.DcpCheckpoint
+    objects: dict[str, distcp.DcpItem]
+    ckpt: distcp.DcpCheckpoint
 
     @property
     def where(self) -> str:
@@ -71,13 +71,13 @@ class _View(NamedTuple):
         every data file holds the items the metadata places in it (one 1-byte read per file),
         so the shapes allocated are bounded by the bytes the files hold."""
         check_tilings(self)
-        dcp_format.check_files_hold(storage, self.ckpt)
+        distcp.check_files_hold(storage, self.ckpt)
 
     def load_chunk(self, storage: Storage, key: str, item: Any) -> torch.Tensor:
         """The stored chunk ``item`` of ``key``: its elements, in a tensor of DCP's chunk shape."""
         dtype, _, entries = self.ckpt.tensors[key]
         sizes = next(le for _, le, it in entries if it == item)
-        return dcp_format.load_tensor(dcp_format.read_item(storage, item), item, dtype, sizes, self.ckpt.where)
+        return distcp.load_tensor(distcp.read_item(storage, item), item, dtype, sizes, self.ckpt.where)
 
 
 class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
@@ -96,7 +96,7 @@ class TorchDistLoadShardedStrategy(ShardsafeLoadShardedStrategy):
         """The checkpoint's stored tensors and objects (reads ``.metadata``)."""
         storage = open_storage(location(checkpoint_dir))
         try:
-            ckpt = dcp_format.read_dcp_checkpoint(storage)
+            ckpt = distcp.read_dcp_checkpoint(storage)
         finally:
             if storage is not checkpoint_dir:
                 storage.close()
@@ -231,7 +231,7 @@ def _fill(t: adapters.ShardedTensor, meta: Any, storage: Storage, chunks: dict) 
         t.data.copy_(box.view(-1)[t.flattened_range])
 
 
-def stored_pieces(key: str, stored: _Stored, ckpt: dcp_format.DcpCheckpoint) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]:
+def stored_pieces(key: str, stored: _Stored, ckpt: distcp.DcpCheckpoint) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, Any]]:
     """Each stored chunk of ``key`` as (box offset, box shape, flat range of the box or None, item)."""
     _, _, entries = ckpt.tensors[key]
     if stored.grid is None:

@@ -37,7 +37,7 @@ from ..storage.local import read_nofollow
 from .core import CONFIG_FNAME, SHARDSAFE_BACKEND, config_from_document
 from .dict_utils import dict_list_map_outplace, nested_values
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from .strategies.shardsafe import FORMAT_VERSION, ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
+from .strategies.native import FORMAT_VERSION, ShardsafeLoadShardedStrategy, ShardsafeSaveShardedStrategy
 
 __all__ = ["MegatronLoadShardedStrategy", "MegatronSaveShardedStrategy", "register_with_megatron"]
 

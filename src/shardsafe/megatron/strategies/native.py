@@ -57,8 +57,7 @@ from ..core import (
     opened,
 )
 from ..dict_utils import dict_list_map_inplace, nested_values
-from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from ..validation import (
+from ..integrity import (
     Entry,
     StrictHandling,
     adjust_non_strict_load,
@@ -66,6 +65,7 @@ from ..validation import (
     describe_local,
     log_common_difference,
 )
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .async_utils import AsyncRequest, request_for
 from .base import (
     AsyncSaveShardedStrategy,
