@@ -27,25 +27,14 @@ from shardsafe.megatron import (
     load_tensors_metadata,
 )
 from shardsafe.megatron.strategies import ZarrLoadShardedStrategy
-from tests.helpers import run_ranks
+from tests.helpers import megatron_reshard, megatron_truth, run_ranks
 
 ZARR_DIR = os.path.join(os.path.dirname(__file__), "data", "megatron_zarr")
 _CUTS = (0, 5, 12)
 
 
-def _truth() -> dict[str, torch.Tensor]:
-    """What the fixture holds (the state tests/test_megatron_torch_dist.py saves with torch_dist)."""
-    g = torch.Generator().manual_seed(0)
-    return {
-        "w": torch.randn(4, 6, generator=g),  # TP: split along dim 0
-        "layers": torch.randn(2, 3, 4, generator=g),  # PP: one layer per rank, prepend_axis_num=1
-        "b": torch.randn(5, generator=g).bfloat16(),  # replicated
-        "opt": torch.randn(3, 4, generator=g),  # distributed optimizer: flattened ranges [0, 5) and [5, 12)
-    }
-
-
 def _whole_request() -> dict:
-    t = _truth()
+    t = megatron_truth()
     request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in t.items()}
     request["opt_range"] = ShardedTensor.from_rank_offsets_flat("opt", torch.zeros(6), (3, 4), flattened_range=slice(3, 9), replica_id=1)
     request["rng"] = [ShardedObject("rng", None, (2,), (r,), replica_id=1) for r in range(2)]
@@ -53,7 +42,7 @@ def _whole_request() -> dict:
 
 
 def _check_whole(got: dict) -> None:
-    t = _truth()
+    t = megatron_truth()
     for k, v in t.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
     assert torch.equal(got["opt_range"], t["opt"].flatten()[3:9])
@@ -64,7 +53,7 @@ def _check_whole(got: dict) -> None:
 
 def test_a_zarr_checkpoint_loads_whole_in_a_plain_process():
     _check_whole(load(_whole_request(), ZARR_DIR, validate_access_integrity=False))
-    t = _truth()
+    t = megatron_truth()
     plain = load_plain_tensors(ZARR_DIR)
     assert sorted(plain) == sorted(t) and all(plain[k].dtype == t[k].dtype and torch.equal(plain[k], t[k]) for k in t)
     assert {k: (v.global_shape, v.dtype) for k, v in load_tensors_metadata(ZARR_DIR).items()} == {k: (tuple(v.shape), v.dtype) for k, v in t.items()}
@@ -75,29 +64,8 @@ def test_a_zarr_checkpoint_loads_whole_in_a_plain_process():
     assert type(serialization.get_default_load_sharded_strategy(ZARR_DIR)) is ZarrLoadShardedStrategy
 
 
-def _reshard(rank: int, world: int, path: str) -> dict:
-    t = _truth()
-    flat = slice(0, 8) if rank == 0 else slice(8, 12)  # other cuts than the save's
-    request = {
-        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 3), (1, rank, world)),  # now split along dim 1
-        "layers": ShardedTensor.from_rank_offsets("layers", torch.zeros(2, 3, 2), (2, rank, world)),
-        "b": ShardedTensor.from_rank_offsets("b", torch.zeros(5, dtype=torch.bfloat16), replica_id=rank),
-        "opt": ShardedTensor.from_rank_offsets_flat("opt", torch.zeros(flat.stop - flat.start), (3, 4), flattened_range=flat),
-        "rng": ShardedObject("rng", None, (world,), (1 - rank,)),  # the other rank's cell
-    }
-    got = load(request, path)
-    return {
-        "w": torch.equal(got["w"], t["w"][:, 3 * rank : 3 * rank + 3]),
-        "layers": torch.equal(got["layers"], t["layers"][:, :, 2 * rank : 2 * rank + 2]),
-        "b": torch.equal(got["b"], t["b"]),
-        "opt": torch.equal(got["opt"], t["opt"].flatten()[flat]),
-        "rng": got["rng"]["seed"],
-        "iteration": got["iteration"],
-    }
-
-
 def test_a_zarr_checkpoint_loads_into_another_layout_on_two_ranks():
-    assert run_ranks(2, _reshard, ZARR_DIR) == [
+    assert run_ranks(2, megatron_reshard, ZARR_DIR) == [
         {"w": True, "layers": True, "b": True, "opt": True, "rng": 1, "iteration": 7},
         {"w": True, "layers": True, "b": True, "opt": True, "rng": 0, "iteration": 7},
     ]
@@ -109,7 +77,7 @@ def test_a_zarr_checkpoint_converts_into_one_that_loads_the_same(tmp_path):
     assert meta.format_version == 3 and len(meta.file_table) == 1 and sorted(meta.objects) == ["megatron:common", "megatron:config", "rng/shard_0_2", "rng/shard_1_2"]
     assert verify(dst).ok
     _check_whole(load(_whole_request(), dst, validate_access_integrity=False))
-    assert run_ranks(2, _reshard, dst)[0] == {"w": True, "layers": True, "b": True, "opt": True, "rng": 1, "iteration": 7}
+    assert run_ranks(2, megatron_reshard, dst)[0] == {"w": True, "layers": True, "b": True, "opt": True, "rng": 1, "iteration": 7}
 
 
 def _copy(tmp_path) -> str:
@@ -140,7 +108,7 @@ def test_zarr_refusals(tmp_path):
     with pytest.raises(CheckpointingException, match=r"array 'w' has no chunk file '1\.0'"):
         load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6))}, path)
     half = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 6), (0, 0, 2))}  # reads only chunk 0.0
-    assert torch.equal(load(half, path, validate_access_integrity=False)["w"], _truth()["w"][:2])
+    assert torch.equal(load(half, path, validate_access_integrity=False)["w"], megatron_truth()["w"][:2])
 
     path = _copy(tmp_path / "p")
     torch.save({"ratio": fractions.Fraction(1, 3)}, os.path.join(path, "rng", "shard_0_2.pt"))

@@ -21,21 +21,18 @@ a launcher would. Then, for every directory the job touched:
 from __future__ import annotations
 
 import json
-import multiprocessing.connection as mpc
 import os
 import random
 import re
 import shutil
-import signal
-import time
 from collections import Counter
-from typing import Any
 
 from .corrupt import classify
+from .jobs import run_job
 from .kill_child import child
 from .paths import run_path
 from .report import Report
-from .sandbox import CONTEXT, Result, Sandbox, campaign
+from .sandbox import Result, Sandbox, campaign
 from .states import Case, single_state, truth_files, write_state_truth
 
 __all__ = ["ALLOWED_EXTRA", "EXACT_POINTS", "litter", "resave", "run_kill"]
@@ -57,66 +54,6 @@ EXACT_POINTS = [
     ("unlink", "before", (0,)),
     ("unlink", "after", (0,)),
 ]
-
-
-def _start(world: int, root: str, plan: dict[str, Any]) -> list:
-    from ..helpers import free_port
-
-    port = free_port()
-    procs = [CONTEXT.Process(target=child, args=(r, world, port, root, plan), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    return procs
-
-
-def _wait_ready(procs: list, root: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(os.path.exists(os.path.join(root, f"ready-r{r}")) for r in range(len(procs))):
-            return True
-        if any(p.exitcode is not None for p in procs):
-            return False
-        time.sleep(0.005)
-    return False
-
-
-def _kill_all(procs: list) -> None:
-    for p in procs:
-        if p.exitcode is None:
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.join()
-
-
-def _run_job(world: int, root: str, plan: dict[str, Any], delay: float | None, timeout: float) -> tuple[str, float]:
-    """Run one job to its end or its kill; returns "killed", "finished", "hang" or "child-error",
-    and the seconds from its first save to its end."""
-    procs = _start(world, root, plan)
-    ready = time.monotonic()
-    try:
-        if not _wait_ready(procs, root, timeout):
-            return ("child-error" if any(p.exitcode not in (None, 0) for p in procs) else "hang"), 0.0
-        ready = time.monotonic()
-        if delay is not None:
-            time.sleep(delay)
-            _kill_all(procs)
-        else:  # an exact point: wait for the first rank to end, then end the others (as a launcher does)
-            mpc.wait([p.sentinel for p in procs], timeout=timeout)
-            if all(p.exitcode is None for p in procs):
-                _kill_all(procs)
-                return "hang", time.monotonic() - ready
-            time.sleep(0.002)
-            _kill_all(procs)
-    finally:
-        _kill_all(procs)
-    took = time.monotonic() - ready
-    codes = [p.exitcode for p in procs]
-    if -signal.SIGKILL in codes:  # a rank whose peer died may have raised first: that is its right
-        return "killed", took
-    return ("child-error" if any(codes) else "finished"), took
 
 
 def _log(root: str) -> tuple[list[int], int | None]:
@@ -198,7 +135,7 @@ def _check_dir(box: Sandbox, root: str, kind: str, name: str, committed: int | N
 def _count(world: int, root: str, timeout: float) -> tuple[dict[int, dict[str, int]], float]:
     """Calls per rank and function in the whole sequence, and how long the sequence takes."""
     os.makedirs(root)
-    status, took = _run_job(world, root, {"saves": SEQUENCE, "point": None, "count": True}, None, timeout)
+    status, took = run_job(child, world, root, {"saves": SEQUENCE, "point": None, "count": True}, None, timeout)
     if status != "finished":
         raise RuntimeError(f"the counting run of world size {world} ended {status}: {_errors(root)}")
     counts = {}
@@ -263,7 +200,7 @@ def run_kill(trials: int, seed: int, *, workdir: str | None = None, timeout: flo
             pt = sc["point"]
             label = f"ws{sc['world']}/" + ("random" if pt is None else f"{pt['fn']}:{pt['when']}")
             plan = {"saves": SEQUENCE, "point": pt}
-            status, _ = _run_job(sc["world"], trial, plan, sc["delay"], timeout)
+            status, _ = run_job(child, sc["world"], trial, plan, sc["delay"], timeout)
             report.trials += 1
             if status in ("hang", "child-error"):
                 report.add(status, f"{label} {pt}: {_errors(trial)}", path=label)

@@ -28,19 +28,17 @@ outcomes: ``lost-checkpoint``, ``silent-wrong-data``, ``damaged-counted``, ``dam
 from __future__ import annotations
 
 import json
-import multiprocessing.connection as mpc
 import os
 import random
 import shutil
-import signal
-import sys
 import time
-import traceback
 from collections import Counter
 from typing import Any
 
+from .jobs import run_job
+from .kill_child import install, report_errors
 from .report import Report
-from .sandbox import CONTEXT, Result, Sandbox, campaign
+from .sandbox import Result, Sandbox, campaign
 
 __all__ = ["job", "run_manager"]
 
@@ -93,14 +91,7 @@ def job(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> No
     """Rank ``rank`` of ``world`` saves ``STEPS`` with a manager (``plan``: ``async``, ``point``,
     ``count``). Rank 0 logs ``saved <step>`` when a save returned and ``closed`` at the end; a
     rank that raises writes ``error-r<rank>.txt`` and exits 1."""
-    try:
-        _job(rank, world, port, root, plan)
-    except BaseException as e:  # noqa: BLE001 - a rank whose peer was killed: reported by the parent
-        path = os.path.join(root, f"error-r{rank}.txt")
-        with open(path + ".tmp", "w") as f:
-            f.write(f"{type(e).__module__}.{type(e).__qualname__}\n{traceback.format_exc()}")
-        os.rename(path + ".tmp", path)
-        sys.exit(1)
+    report_errors(rank, root, lambda: _job(rank, world, port, root, plan))
 
 
 def _job(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> None:
@@ -109,7 +100,6 @@ def _job(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> N
 
     from shardsafe import CheckpointManager
 
-    from .kill_child import install
 
     torch.set_num_threads(1)
     if world > 1:
@@ -156,42 +146,6 @@ def _committed(root: str, asynchronous: bool) -> tuple[list[int], int | None]:
         done = saved[:-1] if not closed else saved
     left = [s for s in STEPS if s not in done]
     return done, (left[0] if left else None)
-
-
-def _run_job(world: int, root: str, plan: dict[str, Any], delay: float | None, timeout: float) -> str:
-    """Run the job to its end or its kill: "killed", "finished", "hang" or "child-error"."""
-    from ..helpers import free_port
-
-    port = free_port()
-    procs = [CONTEXT.Process(target=job, args=(r, world, port, root, plan), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while not all(os.path.exists(os.path.join(root, f"ready-r{r}")) for r in range(world)):
-            if any(p.exitcode is not None for p in procs) or time.monotonic() > deadline:
-                return "child-error"
-            time.sleep(0.005)
-        if delay is not None:
-            time.sleep(delay)
-        else:
-            mpc.wait([p.sentinel for p in procs], timeout=timeout)
-            if all(p.exitcode is None for p in procs):
-                return "hang"
-            time.sleep(0.002)
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            p.join()
-    codes = [p.exitcode for p in procs]
-    if -signal.SIGKILL in codes:
-        return "killed"
-    return "child-error" if any(codes) else "finished"
 
 
 # --- checks, run in the sandbox ------------------------------------------------------------------
@@ -331,7 +285,7 @@ def _damage_trial(box: Sandbox, rng: random.Random, trial: str, base: str, repor
 def _count(world: int, asynchronous: bool, root: str, timeout: float) -> tuple[dict[int, dict[str, int]], float]:
     os.makedirs(root)
     start = time.monotonic()
-    status = _run_job(world, root, {"async": asynchronous, "point": None, "count": True}, None, timeout)
+    status, _ = run_job(job, world, root, {"async": asynchronous, "point": None, "count": True}, None, timeout)
     if status != "finished":
         raise RuntimeError(f"the counting run (world {world}, async {asynchronous}) ended {status}: {_errors(root)}")
     counts = {}
@@ -353,7 +307,7 @@ def _errors(root: str) -> str:
 def _kill_trial(box: Sandbox, trial: str, sc: dict[str, Any], report: Report, timeout: float) -> None:
     pt = sc["point"]
     label = f"kill/ws{sc['world']}/{'async' if sc['async'] else 'sync'}/" + ("random" if pt is None else f"{pt['fn']}:{pt['when']}")
-    status = _run_job(sc["world"], trial, {"async": sc["async"], "point": pt}, sc["delay"], timeout)
+    status, _ = run_job(job, sc["world"], trial, {"async": sc["async"], "point": pt}, sc["delay"], timeout)
     if status in ("hang", "child-error"):
         report.add(status, f"{label} {pt}: {_errors(trial)}", path=label)
         return
