@@ -1,7 +1,7 @@
 """Writes a checkpoint of 2 simulated ranks into the directory given, with the writer checked out:
 tests/data/v1_checkpoint was written by shardsafe 0.1 (format v1), v2_checkpoint by the last
 format-v2 writer (f50ebcf). E.g.
-``git worktree add /tmp/old 8c5e966 && cd /tmp/old && PYTHONPATH=/tmp/old/src python
+``git worktree add /tmp/old 8c5e966 && cd /tmp/old && PYTHONPATH=/tmp/old/src:/tmp/old python
 <this file> <repo>/tests/data/v1_checkpoint``. The ground truth goes beside it, as
 ``<directory>_truth.safetensors``.
 """
@@ -11,11 +11,9 @@ import sys
 
 import torch
 from safetensors.torch import save_file
+from tests.simulate import simulate_save  # the old checkout's (on PYTHONPATH)
 
-sys.path.insert(0, os.getcwd())  # the old checkout, for its tests.simulate
-from tests.simulate import simulate_save  # noqa: E402
-
-from shardsafe import ShardedTensor  # noqa: E402
+from shardsafe import ShardedTensor
 
 out = sys.argv[1]
 shutil.rmtree(out, ignore_errors=True)

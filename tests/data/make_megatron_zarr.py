@@ -15,8 +15,6 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.getcwd())
-
 
 def _save(rank: int, world: int, path: str) -> None:
     import argparse
