@@ -167,6 +167,25 @@ def _box_rows(start, lengths, full_shape, strides) -> Iterator[tuple[int, int]]:
 _M = TypeVar("_M", bound=BaseModel)
 
 
+_IMMUTABLE = (type(None), bool, int, float, str, bytes, tuple, frozenset)
+_DEFAULTS: dict[type, list[tuple[str, Any, Any]]] = {}
+
+
+def _field_defaults(cls: type[BaseModel]) -> list[tuple[str, Any, Any]]:
+    """``(name, default, field)`` per field of ``cls``: an immutable default as it is (``field``
+    None), else the field, whose ``get_default`` makes a fresh value each time. Built once per
+    class: pydantic's ``model_fields`` and ``get_default`` cost microseconds a call, which a
+    header of 300k tensors pays 600k times."""
+    got = _DEFAULTS.get(cls)
+    if got is None:
+        got = []
+        for name, f in cls.model_fields.items():
+            fixed = f.default_factory is None and type(f.default) in _IMMUTABLE  # PydanticUndefined: not fixed
+            got.append((name, f.default, None) if fixed else (name, None, f))
+        _DEFAULTS[cls] = got
+    return got
+
+
 def built(cls: type[_M], fields: dict[str, Any], private: dict[str, Any] | None = None) -> _M:
     """``cls.model_construct(**fields)`` with ``private`` as its private attributes (every one),
     for values a writer made (not validated), without model_construct's per-call work (13 us a
@@ -174,7 +193,12 @@ def built(cls: type[_M], fields: dict[str, Any], private: dict[str, Any] | None 
     in the background thread of an async save. Fields missing from ``fields`` take their
     defaults."""
     obj = cls.__new__(cls)
-    values = {name: fields[name] if name in fields else f.get_default(call_default_factory=True) for name, f in cls.model_fields.items()}
+    values = {}
+    for name, default, field in _field_defaults(cls):
+        if name in fields:
+            values[name] = fields[name]
+        else:
+            values[name] = default if field is None else field.get_default(call_default_factory=True)
     object.__setattr__(obj, "__dict__", values)
     object.__setattr__(obj, "__pydantic_fields_set__", set(fields))
     object.__setattr__(obj, "__pydantic_extra__", None)
