@@ -28,6 +28,18 @@ def test_runs_decode_to_the_values_they_encode(values):
     assert all(count >= 1 for _, _, count in runs)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=6), min_size=1, max_size=32), st.integers(min_value=33, max_value=40))
+def test_short_and_long_columns_encode_alike(values, pad):
+    """Up to 32 values are encoded in plain Python, longer ones with numpy: the same greedy runs."""
+    long = values + [values[-1]] * pad  # the same start, then a constant tail: numpy's path
+    short_runs, long_runs = encode_runs(values), encode_runs(long)
+    assert all(type(x) is int for run in short_runs for x in run)
+    assert decode_runs(short_runs, len(values), what="t").tolist() == values
+    # the runs of the shared prefix agree, up to the run the tail extends
+    assert long_runs[: len(short_runs) - 1] == short_runs[:-1]
+
+
 def test_a_regular_column_is_one_run_whatever_its_length():
     assert encode_runs(range(0, 4096 * 3, 3)) == [[0, 3, 4096]]
     assert encode_runs([7] * 1000) == [[7, 0, 1000]]

@@ -33,6 +33,20 @@ _MAX_CORNER_VALUES = 1 << 25  # tiles_box_by_box: at most 256 MiB of corner coor
 
 def encode_runs(values: Sequence[int] | np.ndarray) -> list[list[int]]:
     """``values`` as runs ``[first, step, count]``, greedily: each run is as long as it can be."""
+    if len(values) <= _SMALL:  # most tensors have a chunk or a few: numpy's per-call cost dominates
+        v = values.tolist() if isinstance(values, np.ndarray) else [int(x) for x in values]
+        runs = []
+        i, n = 0, len(v)
+        while i < n:
+            if i == n - 1:
+                runs.append([v[i], 0, 1])
+                break
+            step, j = v[i + 1] - v[i], i + 1
+            while j + 1 < n and v[j + 1] - v[j] == step:
+                j += 1
+            runs.append([v[i], step, j - i + 1])
+            i = j + 1
+        return runs
     a = np.asarray(values, dtype=np.int64)
     n = len(a)
     runs: list[list[int]] = []
