@@ -102,8 +102,10 @@ _cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
 _cuda.get_device_capability = lambda device=None: (9, 0)
 _cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
 _cuda.set_rng_state = lambda state, device="cuda": None
-_cuda.manual_seed = lambda seed: torch.manual_seed(seed)
-_cuda.manual_seed_all = lambda seed: torch.manual_seed(seed)
+# the "device" generator is the CPU's: seeded directly (torch.manual_seed itself calls
+# torch.cuda.manual_seed_all, so calling it back from here recursed without end)
+_cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+_cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
 
 
 class _Stream:
