@@ -1,0 +1,221 @@
+"""The memory tier of CheckpointManager (issue 24): every step in the node's RAM directory (tier
+0), copies on other nodes through the process group (tier 1), the durable root every
+``persist_every`` steps (tier 2), and restores from the survivors' memory into another world size.
+
+Nodes are simulated: each rank is given a node number and its node's own memory directory;
+"losing a node" is ending its processes (every run ends its ranks) and deleting its directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from shardsafe import CheckpointManager
+from shardsafe.errors import CheckpointError
+from shardsafe.memtier import SAFE_FILENAME, Transfer, fetch_plan, newest_complete_step, replica_nodes, replication_plan
+
+from .helpers import assert_bits, full_tensor, run_ranks
+
+SHAPES = {"w": (16, 12), "b": (10,), "e": (7, 3)}  # b and e split unevenly over 3 and 4 ranks
+
+
+class Sharded(nn.Module):
+    """Parameters sharded on dim 0 over every rank (FSDP2's layout), set to known values per step."""
+
+    def __init__(self, ws: int) -> None:
+        super().__init__()
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (ws,))
+        for k, shape in SHAPES.items():
+            self.register_parameter(k, nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, [Shard(0)], src_data_rank=None)))
+
+    def set_step(self, step: int) -> None:
+        with torch.no_grad():
+            for k in SHAPES:
+                p = getattr(self, k)
+                full = _value(k, step)
+                local = p.to_local()
+                lo = p.device_mesh.get_local_rank() * ((full.shape[0] + p.device_mesh.size() - 1) // p.device_mesh.size())
+                local.copy_(full[lo : lo + local.shape[0]])
+
+    def fulls(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k).full_tensor() for k in SHAPES}
+
+
+def _value(key: str, step: int) -> torch.Tensor:
+    return full_tensor(f"{key}@{step}", SHAPES[key])
+
+
+def _check_step(fulls: dict[str, torch.Tensor], step: int) -> None:
+    for k, t in fulls.items():
+        assert_bits(t, _value(k, step), f"{k} at step {step}")
+
+
+def _mgr(tmp: str, root: str, node: int, **kw) -> CheckpointManager:
+    return CheckpointManager(root, memory_dir=os.path.join(tmp, f"node{node}"), node=node, **kw)
+
+
+def _train(rank, ws, tmp, root, nodes, steps, persist_every):
+    """Save ``steps`` on nodes ``nodes[rank]``; returns each step's safe record on this node."""
+    model = Sharded(ws)
+    with _mgr(tmp, root, nodes[rank], persist_every=persist_every) as mgr:
+        for s in steps:
+            model.set_step(s)
+            assert mgr.save(s, model)
+        mgr.wait_until_finished()
+        durable = mgr.all_steps()
+    path = os.path.join(tmp, f"node{nodes[rank]}")
+    held = sorted(os.listdir(path))
+    with open(os.path.join(path, held[-1], SAFE_FILENAME)) as f:
+        record = json.load(f)
+    return {"durable": durable, "held": held, "record": record}
+
+
+def _restore(rank, ws, tmp, root, nodes):
+    model = Sharded(ws)
+    with _mgr(tmp, root, nodes[rank]) as mgr:
+        step = mgr.restore(model=model)
+        report = mgr.last_restore
+    fulls = model.fulls()
+    if step is not None:
+        _check_step(fulls, step)  # here: tensors sent back through the queue outlive their process badly
+    return {"step": step, "tier": report.tier, "peer": report.peer_bytes, "local": report.local_bytes, "why": report.why}
+
+
+def _lose(tmp, node: int) -> None:
+    shutil.rmtree(os.path.join(tmp, f"node{node}"))
+
+
+def _drop_durable_data(root) -> None:
+    """Delete the durable tier's data files (metadata stays): a restore that reads one fails."""
+    for d in os.listdir(root):
+        for f in os.listdir(os.path.join(root, d)):
+            if f.endswith(".safetensors"):
+                os.unlink(os.path.join(root, d, f))
+
+
+def test_four_nodes_lose_one_restore_on_two_from_peers_memory(tmp_path) -> None:
+    """4 nodes of one rank, replicas=1 (a ring): each step is safe in memory (every file on two
+    nodes) and only the newest stays. Node 3 lost: the survivors 0 and 2 restore the newest step
+    into 2 ranks bit-exact, taking what they lack from each other, with the durable tier's data
+    files deleted (0 bytes read there)."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    out = run_ranks(4, _train, tmp, root, [0, 1, 2, 3], [1, 2, 3], 2)
+    for o in out:
+        assert o["durable"] == [2]
+        assert o["held"] == ["step_00000003"]
+        assert o["record"]["step"] == 3 and o["record"]["safe"] is True
+        assert sorted(map(tuple, o["record"]["holders"].values())) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    _lose(tmp, 3)
+    _lose(tmp, 1)  # node 1 is not restarted either: the survivors are 0 and 2
+    _drop_durable_data(root)
+    got = run_ranks(2, _restore, tmp, root, [0, 2])
+    for g in got:
+        assert (g["step"], g["tier"], g["why"]) == (3, "memory", "")
+        assert g["peer"] > 0 and g["local"] > 0
+
+
+def test_two_nodes_of_two_ranks_lose_one_restore_on_three_ranks(tmp_path) -> None:
+    """2 nodes of 2 ranks: node 1 lost, node 0 alone holds every file (its own and node 1's
+    copies); a job of 3 ranks on node 0 restores from it, nothing from the durable tier."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    out = run_ranks(4, _train, tmp, root, [0, 0, 1, 1], [0, 1], 100)
+    assert all(o["durable"] == [0] for o in out)
+    _lose(tmp, 1)
+    _drop_durable_data(root)
+    got = run_ranks(3, _restore, tmp, root, [0, 0, 0])
+    for g in got:
+        assert (g["step"], g["tier"], g["peer"]) == (1, "memory", 0)
+
+
+def test_memory_incomplete_falls_back_to_durable_and_says_why(tmp_path) -> None:
+    """Nodes 2 and 3 lost together: rank 2's file was only there, so memory holds no complete
+    step; the restore reads the durable tier's newest step (2) and says why."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    run_ranks(4, _train, tmp, root, [0, 1, 2, 3], [1, 2, 3], 2)
+    _lose(tmp, 2)
+    _lose(tmp, 3)
+    got = run_ranks(2, _restore, tmp, root, [0, 1])
+    for g in got:
+        assert (g["step"], g["tier"], g["peer"]) == (2, "durable", 0)
+        assert g["why"] == "the surviving nodes' memory does not hold any step whole (steps seen in memory: [3])"
+
+
+def test_restart_on_the_same_node_finds_tier_0(tmp_path) -> None:
+    """One node, one rank: nothing durable (persist_every not reached); a new process on the
+    same node restores the newest step from the node's memory directory."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    out = run_ranks(1, _train, tmp, root, [0], [5, 6], 100)
+    assert out[0]["durable"] == [] and out[0]["held"] == ["step_00000006"]
+    assert out[0]["record"]["safe"] is False  # one node: no copy elsewhere
+    (g,) = run_ranks(1, _restore, tmp, root, [0])
+    assert (g["step"], g["tier"], g["peer"]) == (6, "memory", 0) and g["local"] > 0
+
+
+# --- placement and planning: pure functions ------------------------------------------------------
+
+
+def test_replica_placement_ring_and_groups() -> None:
+    assert replica_nodes([0, 0, 1, 1, 2, 2], 1) == {0: [1], 1: [2], 2: [0]}
+    assert replica_nodes([0, 1, 2], 2) == {0: [1, 2], 1: [2, 0], 2: [0, 1]}
+    assert replica_nodes([0], 1) == {0: []}
+    assert replica_nodes([0, 1, 2, 3], 1, [[0, 1], [2, 3]]) == {0: [1], 1: [0], 2: [3], 3: [2]}
+    with pytest.raises(CheckpointError) as e:
+        replica_nodes([0, 1, 2], 1, [[0, 1]])
+    assert str(e.value) == (
+        "CheckpointManager: replica_groups [[0, 1]] do not name node(s) [2] of the job's nodes [0, 1, 2]; every node must be in one group"
+    )
+    with pytest.raises(CheckpointError) as e:
+        replica_nodes([0, 1], 1, [[0, 1], [1]])
+    assert str(e.value) == "CheckpointManager: replica_groups: node 1 is in group 0 and in group 1"
+
+
+def test_replication_and_fetch_plans() -> None:
+    nodes = [0, 0, 1, 1]
+    files = [("a", 10), ("b", 20), None, ("d", 40)]
+    plan = replication_plan(nodes, files, replica_nodes(nodes, 1))
+    assert plan == [Transfer("a", 10, 0, 2), Transfer("b", 20, 1, 3), Transfer("d", 40, 3, 1)]
+    # the fetches go to the holder with the least to send so far
+    holders = {"a": [0, 1], "b": [0, 1]}
+    sizes = {"a": 10, "b": 20}
+    assert fetch_plan([0, 1, 2], [[], [], ["a", "b"]], holders, sizes) == [Transfer("a", 10, 0, 2), Transfer("b", 20, 1, 2)]
+
+
+def test_newest_complete_step_needs_every_file_whole() -> None:
+    named = {"a": 10, "b": 20}
+    inv = {
+        0: {4: (named, {"a": 10}, True), 5: (named, {"a": 10}, False)},
+        1: {4: (None, {"b": 20}, True), 5: (None, {"b": 19}, False)},  # step 5's b is cut short
+    }
+    assert newest_complete_step(inv) == 4
+    assert newest_complete_step(inv, below=3) is None
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+def test_bad_arguments(tmp_path) -> None:
+    root = str(tmp_path / "d")
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(root, memory_dir=str(tmp_path / "m"), replicas=-1)
+    assert str(e.value) == "CheckpointManager: replicas must be >= 0 (copies of each step on other nodes), got -1"
+    with pytest.raises(TypeError) as e:
+        CheckpointManager(root, memory_dir=str(tmp_path / "m"), replicas=True)
+    assert str(e.value) == "CheckpointManager: argument 'replicas' must be an int, got bool True"
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(root, memory_dir="s3://bucket/x")
+    assert str(e.value) == "CheckpointManager: memory_dir must be a local directory (a tmpfs such as /dev/shm/...), got the URL 's3://bucket/x'"
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(root, memory_dir=str(tmp_path / "m"), persist_every=0)
+    assert str(e.value) == "CheckpointManager: persist_every must be a positive integer or None, got 0"
+    with pytest.raises(TypeError) as e:
+        CheckpointManager(root, memory_dir=str(tmp_path / "m"), node=1.5)
+    assert str(e.value) == "CheckpointManager: argument 'node' must be an int, a str or None, got float 1.5"
