@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardsafe import CheckpointManager
+from shardsafe import CheckpointManager, verify
 from shardsafe.errors import CheckpointError
 from shardsafe.memtier import SAFE_FILENAME, Transfer, fetch_plan, newest_complete_step, replica_nodes, replication_plan
 
@@ -158,6 +158,82 @@ def test_restart_on_the_same_node_finds_tier_0(tmp_path) -> None:
     assert out[0]["record"]["safe"] is False  # one node: no copy elsewhere
     (g,) = run_ranks(1, _restore, tmp, root, [0])
     assert (g["step"], g["tier"], g["peer"]) == (6, "memory", 0) and g["local"] > 0
+
+
+def _flip_data_byte(path: str) -> None:
+    """XOR a byte of the first chunk of the safetensors file at ``path`` (after its header)."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        f.seek(8 + n + 1)
+        b = f.read(1)
+        f.seek(8 + n + 1)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def test_a_damaged_byte_in_memory_is_caught_and_the_durable_tier_restores(tmp_path) -> None:
+    """Every byte read from memory is checked: one flipped byte in a file both copies of which
+    are damaged makes the restore fall back to the durable tier, every rank together, saying why."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    run_ranks(2, _train, tmp, root, [0, 1], [1, 2, 3], 2)
+    for node in (0, 1):
+        d = os.path.join(tmp, f"node{node}", "step_00000003")
+        (name,) = [f for f in os.listdir(d) if f.startswith("shard-r00000-")]
+        _flip_data_byte(os.path.join(d, name))
+    got = run_ranks(2, _restore, tmp, root, [0, 1])
+    for g in got:
+        assert (g["step"], g["tier"]) == (2, "durable")
+        assert g["why"].startswith("restoring step 3 from memory failed: "), g["why"]
+        assert "checksum mismatch" in g["why"] or "corrupt" in g["why"].lower(), g["why"]
+
+
+def _signal_run(rank, ws, tmp, root):
+    import signal
+
+    model = Sharded(ws)
+    with _mgr(tmp, root, 0, persist_every=100, save_on_signal=signal.SIGTERM) as mgr:
+        for s in (1, 2, 3):
+            model.set_step(s)
+            mgr.save(s, model)
+            if s == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # the preemption notice: the next save goes to the durable root too
+        mgr.wait_until_finished()
+        return mgr.all_steps(), mgr.signal_received
+
+
+def test_sigterm_persists_the_next_step_from_memory(tmp_path) -> None:
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    ((steps, received),) = run_ranks(1, _signal_run, tmp, root)
+    assert (steps, received) == ([2], True)
+    files = sorted(os.listdir(os.path.join(root, "step_00000002")))
+    assert files[0] == "metadata.json" and len(files) == 2 and files[1].startswith("shard-r00000-"), files
+    # tier 0 and tier 2 hold the same bytes, and the ordinary verify checks either
+    mem = os.path.join(tmp, "node0", "step_00000003")
+    for d in (os.path.join(root, "step_00000002"), mem):
+        report = verify(d)
+        assert report.ok and report.files == 1 and report.chunks == len(SHAPES), (d, report)
+    assert sorted(os.listdir(mem)) == sorted(["metadata.json", SAFE_FILENAME, *[f for f in os.listdir(mem) if f.startswith("shard-")]])
+
+
+def _back_run(rank, ws, tmp, root):
+    model = Sharded(ws)
+    with _mgr(tmp, root, 0, persist_every=2) as mgr:
+        for s in (1, 2, 3, 4, 5):
+            model.set_step(s)
+            mgr.save(s, model)
+    with _mgr(tmp, root, 0, persist_every=2) as mgr:
+        step = mgr.restore(2, model=model)
+        _check_step(model.fulls(), 2)
+        held = sorted(os.listdir(os.path.join(tmp, "node0")))
+        return step, mgr.last_restore.tier, mgr.last_restore.why, held
+
+
+def test_going_back_to_an_older_step_forgets_the_newer_ones_in_memory(tmp_path) -> None:
+    """restore(2) when memory holds step 5: step 2 comes from the durable tier, and step 5 leaves
+    memory, so that a crash after saving step 3 again never restores the abandoned run's step 5."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    ((step, tier, why, held),) = run_ranks(1, _back_run, tmp, root)
+    assert (step, tier, held) == (2, "durable", [])
+    assert why == "the surviving nodes' memory does not hold step 2 whole (steps seen in memory: [5])"
 
 
 # --- placement and planning: pure functions ------------------------------------------------------

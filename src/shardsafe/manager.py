@@ -49,7 +49,7 @@ from .errors import (
 )
 from .format.metadata import METADATA_FILENAME, StorageMetadata, sealed_data_files
 from .knobs import KNOBS, Knobs
-from .memtier import MemoryTier, RestoreReport, SavedInMemory, newest_complete_step
+from .memtier import MemoryTier, RestoreReport, SavedInMemory, default_memory_dir, newest_complete_step
 from .storage import Directory, Location, Storage, open_storage
 
 if TYPE_CHECKING:
@@ -90,6 +90,16 @@ class CheckpointManager:
       counts it: the process goes on, and the handler that was there before is not called;
       :meth:`close` puts it back. Needs the main thread.
     - ``process_group``: the ranks that take part (default: all); ``knobs``: tunables.
+    - ``memory_dir``: turns on the memory tier (README, "The memory tier"): a node-local directory
+      in RAM (a tmpfs: ``/dev/shm/...``; ``True``: one under ``/dev/shm`` named after ``root``),
+      the same path for the ranks of one node. Then :meth:`save` saves every step there (call it
+      every step; ``save_interval`` is not consulted), copies each rank's file to ``replicas``
+      other nodes (a ring over the nodes, or rings inside ``replica_groups``: lists of node
+      numbers) through the process group, and writes a step to ``root`` from memory every
+      ``persist_every`` steps and on a ``save_on_signal`` signal. :meth:`restore` restores from
+      the surviving nodes' memory when it holds a complete step at least as new as ``root``'s
+      newest, else from ``root``; :attr:`last_restore` says which. ``node``: this rank's node (an
+      int or a name; default: torchrun's ``GROUP_RANK``, else the host name).
 
     Creating the manager is collective: the first rank removes the directories of steps that
     never committed (names of the form ``step_<digits>`` without ``metadata.json``: left by a
@@ -112,7 +122,7 @@ class CheckpointManager:
         save_on_signal: int | None = None,
         process_group: ProcessGroup | None = None,
         knobs: Knobs | None = None,
-        memory_dir: str | os.PathLike[str] | None = None,
+        memory_dir: str | os.PathLike[str] | bool | None = None,
         replicas: int = 1,
         persist_every: int | None = 100,
         node: int | str | None = None,
@@ -156,6 +166,8 @@ class CheckpointManager:
         """Which tier the last :meth:`restore` read (``.tier``: "memory", "durable" or "none"), and
         how many bytes this rank read from its own node's memory and received from other nodes."""
         self._memory: MemoryTier | None = None
+        if memory_dir is True:
+            memory_dir = default_memory_dir(self.root)
         if memory_dir is not None:
             self._memory = MemoryTier(
                 os.fspath(memory_dir), node=node, replicas=replicas, groups=replica_groups, comm=self._comm, root_url=self.root
@@ -400,6 +412,7 @@ class CheckpointManager:
         self._decided = None
         self.last_restore = RestoreReport(step, "durable", why=why)
         if self._memory is not None:
+            self._memory.forget_after(step_dir_name(step))
             log.warning("CheckpointManager.restore: restored step %d from the durable tier %s: %s", step, self.root, why)
         return step
 
@@ -428,6 +441,7 @@ class CheckpointManager:
             return None, why
         self.last_restore = report
         self._decided = None
+        self._memory.forget_after(step_dir_name(chosen))
         log.info(
             "CheckpointManager.restore: step %d from memory: %d bytes from this node, %d from other nodes, 0 from the durable tier",
             chosen, report.local_bytes, report.peer_bytes,
@@ -669,8 +683,11 @@ def _check_positive(func: str, name: str, value: Any) -> None:
 
 
 def _check_memory_args(func: str, memory_dir: Any, replicas: Any, persist_every: Any, node: Any, groups: Any) -> None:
-    if memory_dir is not None and not isinstance(memory_dir, (str, os.PathLike)):
-        raise TypeError(f"{func}: argument 'memory_dir' must be a local path (a tmpfs such as /dev/shm/...) or None, got {type(memory_dir).__qualname__}")
+    if memory_dir is not None and memory_dir is not True and not isinstance(memory_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"{func}: argument 'memory_dir' must be a local path (a tmpfs such as /dev/shm/...), True (a directory under "
+            f"/dev/shm named after root) or None, got {type(memory_dir).__qualname__} {memory_dir!r}"
+        )
     if isinstance(memory_dir, str) and "://" in memory_dir:
         raise CheckpointError(f"{func}: memory_dir must be a local directory (a tmpfs such as /dev/shm/...), got the URL {memory_dir!r}")
     if type(replicas) is not int:

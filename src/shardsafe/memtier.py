@@ -39,7 +39,7 @@ from .format.metadata import METADATA_FILENAME, StorageMetadata, sealed_data_fil
 from .storage import HeldFiles, Storage, open_storage
 
 __all__ = [
-    "SAFE_FILENAME", "MemoryTier", "RestoreReport", "SavedInMemory", "Transfer", "fetch_plan", "newest_complete_step",
+    "SAFE_FILENAME", "MemoryTier", "RestoreReport", "SavedInMemory", "Transfer", "default_memory_dir", "fetch_plan", "newest_complete_step",
     "node_of_this_process", "replica_nodes", "replication_plan",
 ]
 
@@ -81,6 +81,14 @@ class RestoreReport:
 
 
 # --- placement: pure functions over small lists -------------------------------------------------
+
+
+def default_memory_dir(root_url: str) -> str:
+    """``memory_dir=True``: a directory under ``/dev/shm`` (RAM on Linux) named after the durable
+    root, so two jobs with different roots on one node keep apart."""
+    import hashlib
+
+    return os.path.join("/dev/shm", f"shardsafe-{hashlib.sha256(root_url.encode()).hexdigest()[:16]}")
 
 
 def node_of_this_process() -> str:
@@ -349,6 +357,15 @@ class MemoryTier:
         for name in _step_dirs(self.dir):
             if name < step_dir:
                 _remove_tree(os.path.join(self.dir, name))
+
+    def forget_after(self, step_dir: str) -> None:
+        """(Node leader, once every rank has restored the step of ``step_dir``.) Remove the steps
+        newer than it: they belong to a run the job went back from, and a later restore must
+        never prefer them to what this run saves next."""
+        if self.leader:
+            for name in _step_dirs(self.dir):
+                if name > step_dir:
+                    _remove_tree(os.path.join(self.dir, name))
 
     # --- restore ----------------------------------------------------------------------------------
 
