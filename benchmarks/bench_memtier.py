@@ -70,6 +70,10 @@ def _train(rank: int, world: int, port: int, cfg: dict, out) -> None:
     from shardsafe import CheckpointManager
 
     torch.set_num_threads(1)
+    if os.environ.get("BENCH_MEMTIER_LOG"):  # phase times of the background save, per rank
+        import logging
+
+        logging.basicConfig(filename=f"{os.environ['BENCH_MEMTIER_LOG']}.r{rank}", level=logging.DEBUG)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     m = _model(world, cfg["mib"])
     local = _locals(m)

@@ -454,8 +454,8 @@ class Comm:
         try:
             works += [dist.isend(t, dst=self.global_ranks[dst], group=group, tag=tag) for dst, tag, t in sends]
             works += [dist.irecv(t, src=self.global_ranks[src], group=group, tag=tag) for src, tag, t in recvs]
-            for w in works:
-                w.wait()
+            while works:  # each work dropped once done: a work holds its tensor
+                works.pop().wait()
         except RuntimeError as e:
             raise CollectiveError(
                 f"{self.call}: a point-to-point transfer among ranks {self.global_ranks} failed on rank {self.global_rank}: "

@@ -26,6 +26,7 @@ import mmap
 import os
 import shutil
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -288,6 +289,7 @@ class MemoryTier:
         rank's file to its replica nodes, the safe record, then tier 2 (``persist``: the step's
         durable location, or None), then the node's older steps removed."""
         path = self.step_path(step_dir)
+        times = [time.perf_counter()]
         raw = side.broadcast(lambda: _read(os.path.join(path, METADATA_FILENAME)))
         mine = [os.path.basename(f) for f in own]
         if self.leader and not os.path.exists(os.path.join(path, METADATA_FILENAME)):
@@ -296,7 +298,9 @@ class MemoryTier:
         files = side.all_gather(lambda: (mine[0], os.path.getsize(os.path.join(path, mine[0]))) if mine else None)
         side.raise_failures(files)
         plan = replication_plan(self.nodes, files, self.targets)
+        times.append(time.perf_counter())
         self._run_transfers(side, plan, path, into_dir=True)
+        times.append(time.perf_counter())
         holders: dict[str, list[int]] = {}
         for r, f in enumerate(files):
             if f is not None:
@@ -308,10 +312,16 @@ class MemoryTier:
         if self.leader:
             _write_atomic(os.path.join(path, SAFE_FILENAME), record)
         side.check(lambda: None)  # every node wrote its record: the step is safe before any older one goes
+        times.append(time.perf_counter())
         if persist is not None:
             _persist(side, path, mine, raw, persist)
         if self.leader:
             self._drop_older(step_dir)
+        times.append(time.perf_counter())
+        log.debug(
+            "memory tier: step %d on rank %d: metadata to every node %.3f s, copies %.3f s, safe record %.3f s, persist and "
+            "cleanup %.3f s", step, self.rank, *(b - a for a, b in zip(times, times[1:])),
+        )
         return SavedInMemory(step, safe, persist is not None)
 
     def _run_transfers(self, comm: Comm, plan: list[Transfer], path: str, *, into_dir: bool, held: HeldFiles | None = None) -> int:
