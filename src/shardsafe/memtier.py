@@ -350,7 +350,8 @@ class MemoryTier:
         try:
             comm.exchange(sends, recvs)
         finally:
-            sends.clear()
+            sends.clear()  # the tensors over the mappings go before the mappings
+            recvs.clear()
             for mm in maps:
                 if mm is not None:
                     mm.close()
