@@ -240,6 +240,11 @@ class CheckpointManager:
         callable is called on every rank as ``progress(done, total)`` with the bytes of this
         rank's data file written so far, out of its tensor bytes, from the thread that writes (with
         ``async_save``, the background thread, after this call has returned).
+
+        With ``memory_dir`` every call saves (to memory; its copies to other nodes are made in
+        the background, and the next call waits for them) and returns True; the step also goes to
+        ``root`` when it is a multiple of ``persist_every``, when a ``save_on_signal`` signal
+        arrived, or with ``force``.
         """
         func = "CheckpointManager.save"
         self._check_open("save")

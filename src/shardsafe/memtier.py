@@ -292,10 +292,14 @@ class MemoryTier:
         times = [time.perf_counter()]
         raw = side.broadcast(lambda: _read(os.path.join(path, METADATA_FILENAME)))
         mine = [os.path.basename(f) for f in own]
-        if self.leader and not os.path.exists(os.path.join(path, METADATA_FILENAME)):
-            os.makedirs(path, exist_ok=True)
-            _write_atomic(os.path.join(path, METADATA_FILENAME), raw)
-        files = side.all_gather(lambda: (mine[0], os.path.getsize(os.path.join(path, mine[0]))) if mine else None)
+
+        def here() -> tuple[str, int] | None:  # a failure here (a full tmpfs) reaches every rank in the all-gather
+            if self.leader and not os.path.exists(os.path.join(path, METADATA_FILENAME)):
+                os.makedirs(path, exist_ok=True)
+                _write_atomic(os.path.join(path, METADATA_FILENAME), raw)
+            return (mine[0], os.path.getsize(os.path.join(path, mine[0]))) if mine else None
+
+        files = side.all_gather(here)
         side.raise_failures(files)
         plan = replication_plan(self.nodes, files, self.targets)
         times.append(time.perf_counter())
@@ -309,9 +313,8 @@ class MemoryTier:
             holders[t.file].append(self.nodes[t.dst])
         safe = all(len(set(h)) > 1 for h in holders.values())
         record = json.dumps({"step": step, "safe": safe, "holders": {k: sorted(set(v)) for k, v in sorted(holders.items())}}).encode()
-        if self.leader:
-            _write_atomic(os.path.join(path, SAFE_FILENAME), record)
-        side.check(lambda: None)  # every node wrote its record: the step is safe before any older one goes
+        # every node writes its record before any node drops an older step
+        side.check(lambda: _write_atomic(os.path.join(path, SAFE_FILENAME), record) if self.leader else None)
         times.append(time.perf_counter())
         if persist is not None:
             _persist(side, path, mine, raw, persist)
