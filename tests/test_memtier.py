@@ -18,7 +18,15 @@ from torch import nn
 
 from shardsafe import CheckpointManager, verify
 from shardsafe.errors import CheckpointError
-from shardsafe.memtier import SAFE_FILENAME, Transfer, fetch_plan, newest_complete_step, replica_nodes, replication_plan
+from shardsafe.memtier import (
+    SAFE_FILENAME,
+    Transfer,
+    default_memory_dir,
+    fetch_plan,
+    newest_complete_step,
+    replica_nodes,
+    replication_plan,
+)
 
 from .helpers import assert_bits, full_tensor, run_ranks
 
@@ -323,6 +331,21 @@ def test_newest_complete_step_needs_every_file_whole() -> None:
     assert newest_complete_step(inv, below=3) is None
 
 
+def test_memory_dir_true_is_a_directory_under_dev_shm_named_after_root(tmp_path) -> None:
+    root = str(tmp_path / "d")
+    want = default_memory_dir(os.path.abspath(root))
+    assert os.path.dirname(want) == "/dev/shm" and os.path.basename(want).startswith("shardsafe-")
+    try:
+        model = torch.nn.Linear(3, 2)
+        with CheckpointManager(root, memory_dir=True) as mgr:
+            assert mgr.save(7, model)
+        assert sorted(os.listdir(want)) == ["step_00000007"]
+        with CheckpointManager(root, memory_dir=True) as mgr:
+            assert mgr.restore(model=model) == 7 and mgr.last_restore.tier == "memory"
+    finally:
+        shutil.rmtree(want, ignore_errors=True)
+
+
 # --- bad input -------------------------------------------------------------------------------------
 
 
@@ -340,6 +363,12 @@ def test_bad_arguments(tmp_path) -> None:
     with pytest.raises(CheckpointError) as e:
         CheckpointManager(root, memory_dir=str(tmp_path / "m"), persist_every=0)
     assert str(e.value) == "CheckpointManager: persist_every must be a positive integer or None, got 0"
+    with pytest.raises(TypeError) as e:
+        CheckpointManager(root, memory_dir=False)
+    assert str(e.value) == (
+        "CheckpointManager: argument 'memory_dir' must be a local path (a tmpfs such as /dev/shm/...), True (a directory under "
+        "/dev/shm named after root) or None, got bool False"
+    )
     with pytest.raises(TypeError) as e:
         CheckpointManager(root, memory_dir=str(tmp_path / "m"), node=1.5)
     assert str(e.value) == "CheckpointManager: argument 'node' must be an int, a str or None, got float 1.5"
