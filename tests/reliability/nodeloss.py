@@ -181,6 +181,32 @@ def _safe_before(work: str, nodes: int) -> int | None:
     return max(common) if common else None
 
 
+def _phase(work: str, nodes: int) -> str:
+    """What the kill interrupted, as the directories show it: a step being persisted (a durable
+    step directory without metadata.json), a copy being received (a ``.part`` file), a tier-0
+    write (a memory step directory without metadata.json), or none of them (between steps)."""
+    root = os.path.join(work, "durable")
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        if not os.path.exists(os.path.join(root, name, "metadata.json")):
+            return "persist"
+    found, steps = set(), 0
+    for n in range(nodes):
+        d = os.path.join(work, f"node{n}")
+        for name in os.listdir(d) if os.path.isdir(d) else ():
+            steps += 1
+            files = os.listdir(os.path.join(d, name))
+            if any(f.endswith(".part") for f in files):
+                found.add("replication")
+            elif "metadata.json" not in files:
+                found.add("tier-0 write")
+            elif "memtier.json" not in files:
+                found.add("replication")
+    for phase in ("replication", "tier-0 write"):
+        if phase in found:
+            return phase
+    return "between steps" if steps else "before the first save"
+
+
 def _durable_before(work: str) -> list[int]:
     root = os.path.join(work, "durable")
     if not os.path.isdir(root):
@@ -200,6 +226,7 @@ def _trial(work: str, rng: random.Random, notes: Any) -> tuple[str, str, str]:
     notes[f"job:{first}"] += 1
     if first in ("hang", "child-error"):
         return first, path, _errors(work, "train")
+    notes[f"killed-during:{_phase(work, n_nodes) if first == 'killed' else 'nothing (the job finished)'}"] += 1
     safe = _safe_before(work, n_nodes) if lose <= replicas else None
     durable = _durable_before(work)
     lost = rng.sample(range(n_nodes), lose)
