@@ -133,15 +133,18 @@ def test_four_nodes_lose_one_restore_on_two_from_peers_memory(tmp_path) -> None:
 
 def test_two_nodes_of_two_ranks_lose_one_restore_on_three_ranks(tmp_path) -> None:
     """2 nodes of 2 ranks: node 1 lost, node 0 alone holds every file (its own and node 1's
-    copies); a job of 3 ranks on node 0 restores from it, nothing from the durable tier."""
+    copies); a job of 3 ranks, two on node 0 and the first on a new, empty node 3, restores
+    from node 0's memory (the first rank receives metadata.json and its files from there),
+    nothing from the durable tier."""
     tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
     out = run_ranks(4, _train, tmp, root, [0, 0, 1, 1], [0, 1], 100)
     assert all(o["durable"] == [0] for o in out)
     _lose(tmp, 1)
     _drop_durable_data(root)
-    got = run_ranks(3, _restore, tmp, root, [0, 0, 0])
-    for g in got:
-        assert (g["step"], g["tier"], g["peer"]) == (1, "memory", 0)
+    got = run_ranks(3, _restore, tmp, root, [3, 0, 0])
+    assert [(g["step"], g["tier"]) for g in got] == [(1, "memory")] * 3
+    assert got[0]["peer"] > 0 and got[0]["local"] == 0
+    assert got[1]["peer"] == got[2]["peer"] == 0 and got[1]["local"] > 0
 
 
 def test_memory_incomplete_falls_back_to_durable_and_says_why(tmp_path) -> None:
