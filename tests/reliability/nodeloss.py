@@ -127,7 +127,16 @@ def _job(rank: int, world: int, port: int, work: str, plan: dict[str, Any]) -> N
 
 def _run(work: str, plan: dict[str, Any], delay: float | None) -> str:
     """Run one job to its end, or SIGKILL every rank after ``delay`` seconds: "finished",
-    "killed", "hang" or "child-error"."""
+    "killed", "hang" or "child-error" (why: in ``work``/``why-<phase>.txt``)."""
+    out = _run_job(work, plan, delay)
+    if out.startswith("child-error"):
+        with open(os.path.join(work, f"why-{plan['phase']}.txt"), "w") as f:
+            f.write(out)
+        return "child-error"
+    return out
+
+
+def _run_job(work: str, plan: dict[str, Any], delay: float | None) -> str:
     from ..helpers import free_port
 
     world = len(plan["nodes"])
@@ -139,7 +148,8 @@ def _run(work: str, plan: dict[str, Any], delay: float | None) -> str:
         deadline = time.monotonic() + TIMEOUT
         while not all(os.path.exists(os.path.join(work, f"ready-{plan['phase']}-r{r}")) for r in range(world)):
             if any(p.exitcode is not None for p in procs) or time.monotonic() > deadline:
-                return "child-error"
+                late = time.monotonic() > deadline
+                return f"child-error: {'not ready after the timeout' if late else 'a rank exited before it was ready'} (exit codes {[p.exitcode for p in procs]})"
             time.sleep(0.005)
         end = time.monotonic() + (delay if delay is not None else TIMEOUT)
         while any(p.exitcode is None for p in procs) and time.monotonic() < end:
@@ -158,7 +168,7 @@ def _run(work: str, plan: dict[str, Any], delay: float | None) -> str:
     codes = [p.exitcode for p in procs]
     if -signal.SIGKILL in codes:
         return "killed"
-    return "child-error" if any(codes) else "finished"
+    return f"child-error: exit codes {codes}" if any(codes) else "finished"
 
 
 def _safe_before(work: str, nodes: int) -> int | None:
@@ -266,10 +276,15 @@ def _trial(work: str, rng: random.Random, notes: Any) -> tuple[str, str, str]:
 
 
 def _errors(work: str, phase: str) -> str:
+    """The first failing rank's error, or why the job failed without one."""
     for name in sorted(os.listdir(work)):
         if name.startswith(f"error-{phase}-") and name.endswith(".txt"):
             with open(os.path.join(work, name)) as f:
                 return f.read()
+    why = os.path.join(work, f"why-{phase}.txt")
+    if os.path.exists(why):
+        with open(why) as f:
+            return f.read()
     return ""
 
 
