@@ -251,6 +251,8 @@ def _trial(work: str, rng: random.Random, notes: Any) -> tuple[str, str, str]:
         return "hang", path, what
     if second != "finished":
         err = _errors(work, "restore")
+        if err.startswith("child-error"):  # no rank raised: it did not start, or died
+            return "restore-child-error", path, f"{what}: {err}"
         kind = err.splitlines()[0] if err else "unknown"
         return f"restore-raised:{kind.rsplit('.', 1)[-1]}", path, f"{what}: {err[-600:]}"
     results = []
