@@ -101,6 +101,15 @@ bench-hf: $(BENCH_STAMP)
 bench-hf-quick: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_hf.py --quick
 
+# The memory tier (issue 24): save blocking vs memcpy, time to safe vs a raw send, restore after a
+# node loss from peers' memory vs from the durable tier read cold; one MEMTIER line
+.PHONY: bench-memory bench-memory-quick
+bench-memory: $(STAMP)
+	$(PY) benchmarks/bench_memtier.py --nodes 4 --mib-per-rank 256
+
+bench-memory-quick: $(STAMP)
+	$(PY) benchmarks/bench_memtier.py --nodes 3 --mib-per-rank 16 --steps 3
+
 # Megatron-Core v0.15.3's own tests/unit_tests/dist_checkpointing suite on CPU/gloo (8 ranks), against
 # shardsafe.megatron installed as megatron.core.dist_checkpointing and against real megatron-core;
 # prints MEGATRON-TESTS lines. Not part of `make test`: it needs Megatron-LM's sources, which CI cannot

@@ -389,6 +389,21 @@ def test_a_local_file_grown_sparse_to_a_terabyte_is_refused_without_reading_it(t
         Checkpointer().unshard(str(tmp_path))  # the metadata reader of every load reads with that limit
 
 
+def test_held_files_read_with_a_limit_as_every_storage_and_fall_through_to_their_base(tmp_path: Path) -> None:
+    from shardsafe.storage import HeldFiles
+
+    base = open_storage(str(tmp_path))
+    _write(base, "on-disk.json", PAYLOAD)
+    held = HeldFiles("memtier:test", base)
+    held.add("received.json", bytearray(PAYLOAD[:100]))
+    assert held.read("received.json", limit=100) == PAYLOAD[:100]
+    with pytest.raises(CorruptCheckpointError, match=r"^memtier:test/received.json: holds 100 bytes, more than the 99 "):
+        held.read("received.json", limit=99)
+    assert held.read("on-disk.json", limit=1024) == PAYLOAD
+    with pytest.raises(CorruptCheckpointError, match=r"on-disk.json: holds 1024 bytes, more than the 1000 "):
+        held.read("on-disk.json", limit=1000)
+
+
 def test_read_into_fills_several_buffers_in_order(storage) -> None:
     _write(storage, "d.bin", PAYLOAD)
     sizes = [3, 0, 100, 1, 250, 7]

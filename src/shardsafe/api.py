@@ -20,6 +20,7 @@ from torch import nn
 
 from ._args import check_arg, check_bool
 from ._progress import Progress, progress_callback, rank_progress
+from .adapters import LocalTensor
 from .adapters.keys import MODEL_PREFIX, OPTIM_PREFIX
 from .adapters.modules import ParamInfo, model_state
 from .adapters.optim import (
@@ -191,11 +192,13 @@ def load_model_and_more(
     more_targets: Callable[[StorageMetadata], dict[str, Any]] | None = None,
     more_apply: Callable[[dict[str, Any]], None] | None = None,
     progress: Progress | None = None,
+    fetch: Callable[[StorageMetadata, list[LocalTensor]], None] | None = None,
 ) -> None:
     """Load ``model`` and ``optim`` (either may be None; ``optim`` only with its ``model``) in
     place and, in the same pass, the targets ``more_targets(metadata)`` returns; then hand the
     optimizer its state and call ``more_apply`` with every loaded value. Every rank of ``comm``
-    calls it together; a failure on any rank (in the callbacks too) raises on every rank."""
+    calls it together; a failure on any rank (in the callbacks too) raises on every rank.
+    ``fetch``: see :func:`~shardsafe.engine.loader.load_state`."""
     meta = read_metadata(storage, comm)
     params, buffers = model_state(model) if model is not None else ([], [])
     holder: dict[str, Any] = {}
@@ -214,7 +217,7 @@ def load_model_and_more(
 
     comm.check(targets)
     state = holder["state"]
-    load_state(storage, state, comm, meta, allow_pickle=False, knobs=knobs, progress=progress)  # the storage already opened: one client, not two
+    load_state(storage, state, comm, meta, allow_pickle=False, knobs=knobs, progress=progress, fetch=fetch)  # the storage already opened: one client, not two
 
     def apply() -> None:
         if optim is not None:

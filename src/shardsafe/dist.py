@@ -435,6 +435,35 @@ class Comm:
         self._count("broadcast")
         self._run("broadcast", lambda: dist.broadcast(buf, src=global_src, group=group, async_op=True), [buf])
 
+    def exchange(self, sends: list[tuple[int, int, torch.Tensor]], recvs: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Point-to-point transfers of CPU tensors over this comm's CPU transport: each
+        ``(rank, tag, tensor)`` of ``sends`` goes to that rank of this comm, each of ``recvs`` is
+        filled from that rank. A send and its receive carry the same tag (callers number their
+        transfers from one plan every rank computed alike). Every operation is posted at once and
+        all are waited for, so no order of the ranks' lists can deadlock; a peer that died makes
+        this raise ``CollectiveError`` (after the process group's timeout at the latest)."""
+        if not sends and not recvs:
+            return
+        if not self.distributed:
+            raise CollectiveError(f"{self.call}: a point-to-point transfer needs a process group of more than one rank")
+        group = self._cpu_group()
+        self._count("exchange")
+        tensors = [t for _, _, t in sends] + [t for _, _, t in recvs]
+        before = _refcounts(tensors)
+        works: list[Any] = []
+        try:
+            works += [dist.isend(t, dst=self.global_ranks[dst], group=group, tag=tag) for dst, tag, t in sends]
+            works += [dist.irecv(t, src=self.global_ranks[src], group=group, tag=tag) for src, tag, t in recvs]
+            while works:  # each work dropped once done: a work holds its tensor
+                works.pop().wait()
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"{self.call}: a point-to-point transfer among ranks {self.global_ranks} failed on rank {self.global_rank}: "
+                f"{_first_line(e)} (did a rank of the process group die or lose its connection?)"
+            ) from e
+        del works
+        _await_release(tensors, before)
+
     # --- arrival ------------------------------------------------------------------------------------
 
     def arrive(self, timeout_s: float) -> None:

@@ -37,7 +37,7 @@ from ._args import check_arg, check_bool
 from ._progress import Progress, rank_progress
 from .adapters.stateful import ExtraRestore, check_extra, extra_targets, extra_values
 from .api import load_model_and_more, model_and_optim_values
-from .dist import Comm, get_comm
+from .dist import Comm, background_comm, get_comm
 from .engine.background import AsyncSave
 from .engine.writer import async_save_state
 from .errors import (
@@ -49,6 +49,7 @@ from .errors import (
 )
 from .format.metadata import METADATA_FILENAME, StorageMetadata, sealed_data_files
 from .knobs import KNOBS, Knobs
+from .memtier import MemoryTier, RestoreReport, SavedInMemory, default_memory_dir, newest_complete_step
 from .storage import Directory, Location, Storage, open_storage
 
 if TYPE_CHECKING:
@@ -89,6 +90,16 @@ class CheckpointManager:
       counts it: the process goes on, and the handler that was there before is not called;
       :meth:`close` puts it back. Needs the main thread.
     - ``process_group``: the ranks that take part (default: all); ``knobs``: tunables.
+    - ``memory_dir``: turns on the memory tier (README, "The memory tier"): a node-local directory
+      in RAM (a tmpfs: ``/dev/shm/...``; ``True``: one under ``/dev/shm`` named after ``root``),
+      the same path for the ranks of one node. Then :meth:`save` saves every step there (call it
+      every step; ``save_interval`` is not consulted), copies each rank's file to ``replicas``
+      other nodes (a ring over the nodes, or rings inside ``replica_groups``: lists of node
+      numbers) through the process group, and writes a step to ``root`` from memory every
+      ``persist_every`` steps and on a ``save_on_signal`` signal. :meth:`restore` restores from
+      the surviving nodes' memory when it holds a complete step at least as new as ``root``'s
+      newest, else from ``root``; :attr:`last_restore` says which. ``node``: this rank's node (an
+      int or a name; default: torchrun's ``GROUP_RANK``, else the host name).
 
     Creating the manager is collective: the first rank removes the directories of steps that
     never committed (names of the form ``step_<digits>`` without ``metadata.json``: left by a
@@ -111,8 +122,14 @@ class CheckpointManager:
         save_on_signal: int | None = None,
         process_group: ProcessGroup | None = None,
         knobs: Knobs | None = None,
+        memory_dir: str | os.PathLike[str] | bool | None = None,
+        replicas: int = 1,
+        persist_every: int | None = 100,
+        node: int | str | None = None,
+        replica_groups: list[list[int]] | None = None,
     ) -> None:
         func = "CheckpointManager"
+        _check_memory_args(func, memory_dir, replicas, persist_every, node, replica_groups)
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every), ("save_interval", save_interval)):
             _check_positive(func, name, value)
         check_bool(func, "async_save", async_save)
@@ -144,6 +161,17 @@ class CheckpointManager:
         self.signal_received = False
         """True on every rank once :meth:`should_save` has seen a ``save_on_signal`` signal on any rank."""
         self._previous_handler: Any = None
+        self.persist_every = persist_every
+        self.last_restore: RestoreReport | None = None
+        """Which tier the last :meth:`restore` read (``.tier``: "memory", "durable" or "none"), and
+        how many bytes this rank read from its own node's memory and received from other nodes."""
+        self._memory: MemoryTier | None = None
+        if memory_dir is True:
+            memory_dir = default_memory_dir(self.root)
+        if memory_dir is not None:
+            self._memory = MemoryTier(
+                os.fspath(memory_dir), node=node, replicas=replicas, groups=replica_groups, comm=self._comm, root_url=self.root
+            )
         if save_on_signal is not None:
             self._install_handler(save_on_signal)
 
@@ -212,6 +240,11 @@ class CheckpointManager:
         callable is called on every rank as ``progress(done, total)`` with the bytes of this
         rank's data file written so far, out of its tensor bytes, from the thread that writes (with
         ``async_save``, the background thread, after this call has returned).
+
+        With ``memory_dir`` every call saves (to memory; its copies to other nodes are made in
+        the background, and the next call waits for them) and returns True; the step also goes to
+        ``root`` when it is a multiple of ``persist_every``, when a ``save_on_signal`` signal
+        arrived, or with ``force``.
         """
         func = "CheckpointManager.save"
         self._check_open("save")
@@ -221,12 +254,18 @@ class CheckpointManager:
         check_bool(func, "force", force)
         bar = rank_progress(progress, func, self._comm.is_coordinator)
         self._finish_inflight()
-        if not force:
+        persist = True
+        if self._memory is not None:  # every step goes to memory; the durable root gets some
+            decided = self._decided if self._decided is not None and self._decided[0] == step else None
+            if decided is None:
+                self.should_save(step)  # takes in a save_on_signal signal on every rank
+            persist = force or self._requested or (self.persist_every is not None and step % self.persist_every == 0)
+        elif not force:
             decided = self._decided if self._decided is not None and self._decided[0] == step else None
             if not (decided[1] if decided is not None else self.should_save(step)):
                 return False
         self._decided = None
-        if step in self._steps:
+        if step in self._steps and persist:
             raise CheckpointExistsError(
                 f"{self._step_url(step)}: step {step} is already committed; a manager never replaces a step. Save under "
                 "another step, or delete that directory first"
@@ -234,8 +273,14 @@ class CheckpointManager:
         comm = self._call_comm()
         built: dict[str, Any] = {}
 
+        memory = self._memory
+        if memory is not None:
+            persist = persist and step not in self._steps
+
         def build() -> list[str]:
-            if step in self._damaged and comm.is_coordinator:  # before any rank writes: the all-gather is the barrier
+            if memory is not None:  # a stale copy of this step (saved again after a restore): gone before any rank writes
+                memory.clear_step(step_dir_name(step))
+            if step in self._damaged and comm.is_coordinator and persist:  # before any rank writes: the all-gather is the barrier
                 log.warning(
                     "CheckpointManager: step %d under %s is damaged (%s); removing it to save step %d afresh",
                     step, self.root, self._damaged[step], step,
@@ -259,10 +304,23 @@ class CheckpointManager:
         save_comm = get_comm(
             process_group=self._group, call="shardsafe.CheckpointManager.save", timeout_s=self._knobs.collective_timeout_s, arrive=False
         )
-        handle = async_save_state(
-            self._root.child(step_dir_name(step)), state, save_overwrite=False, allow_pickle=False, comm=save_comm, knobs=self._knobs,
-            want_meta=False, progress=bar,
-        )
+        if memory is None:
+            handle = async_save_state(
+                self._root.child(step_dir_name(step)), state, save_overwrite=False, allow_pickle=False, comm=save_comm,
+                knobs=self._knobs, want_meta=False, progress=bar,
+            )
+        else:
+            durable = self._root.child(step_dir_name(step)) if persist else None
+            timeout = self._knobs.collective_timeout_s
+
+            def tiers(out: tuple[Any, list[str]]) -> SavedInMemory:  # in the background, once tier 0 committed
+                side = background_comm(save_comm, timeout_s=timeout)
+                return memory.after_commit(side, step, step_dir_name(step), out[1], durable)
+
+            handle = async_save_state(
+                memory.step_storage(step_dir_name(step)), state, save_overwrite=False, allow_pickle=False, comm=save_comm,
+                knobs=self._knobs, want_meta=False, progress=bar, result=tiers,
+            )
         self._inflight = (step, handle)
         self._requested = False
         if not self._async:
@@ -319,6 +377,12 @@ class CheckpointManager:
         extra = check_extra(func, extra)
         bar = rank_progress(progress, func, self._comm.is_coordinator)
         self._finish_inflight()
+        why = ""
+        if self._memory is not None:
+            got, why = self._restore_memory(step, model, optim, extra, bar)
+            if got is not None:
+                return got
+        self.last_restore = RestoreReport(None, "none", why=why)
         fallback = step is None
         if step is None:
             step = self.latest_step()
@@ -351,7 +415,43 @@ class CheckpointManager:
                 )
                 step = older[-1]
         self._decided = None
+        self.last_restore = RestoreReport(step, "durable", why=why)
+        if self._memory is not None:
+            self._memory.forget_after(step_dir_name(step))
+            log.warning("CheckpointManager.restore: restored step %d from the durable tier %s: %s", step, self.root, why)
         return step
+
+    def _restore_memory(self, step: int | None, model: Any, optim: Any, extra: dict[str, Any], bar: Progress | None) -> tuple[int | None, str]:
+        """Restore from the nodes' memory if it holds ``step`` (None: the newest step it holds
+        whole, unless the durable tier holds a newer one); the step restored, or None and why not."""
+        assert self._memory is not None
+        comm = self._call_comm("restore")
+        inventories = self._memory.gather(comm)
+        chosen = newest_complete_step(inventories, below=step)
+        durable = self.latest_step()
+        if chosen is None or (step is not None and chosen != step):
+            what = f"step {step}" if step is not None else "any step"
+            held = sorted({s for inv in inventories.values() for s in inv})
+            return None, f"the surviving nodes' memory does not hold {what} whole (steps seen in memory: {held})"
+        if step is None and durable is not None and durable > chosen:
+            return None, f"the durable tier's step {durable} is newer than memory's newest complete step {chosen}"
+        try:
+            report = self._memory.load(
+                comm, chosen, step_dir_name(chosen), inventories,
+                lambda storage, fetch: self._load_from(storage, model, optim, extra, bar, fetch),
+            )
+        except (CorruptCheckpointError, IncompleteCheckpointError) as e:  # the same class on every rank
+            why = f"restoring step {chosen} from memory failed: {_first_line(e)}"
+            log.warning("CheckpointManager.restore: %s; falling back to the durable tier", why)
+            return None, why
+        self.last_restore = report
+        self._decided = None
+        self._memory.forget_after(step_dir_name(chosen))
+        log.info(
+            "CheckpointManager.restore: step %d from memory: %d bytes from this node, %d from other nodes, 0 from the durable tier",
+            chosen, report.local_bytes, report.peer_bytes,
+        )
+        return chosen, ""
 
     def _damage_text(self, tried: list[int], intact: int | None) -> str:
         steps = ", ".join(map(str, tried))
@@ -361,7 +461,11 @@ class CheckpointManager:
         return f"{head}; the newest committed step is {intact}: restore(step={intact}), or restore() for the newest that loads"
 
     def _load(self, step: int, model: Any, optim: Any, extra: dict[str, Any], progress: Progress | None) -> None:
-        storage = self._root.child(step_dir_name(step))
+        self._load_from(self._root.child(step_dir_name(step)), model, optim, extra, progress)
+
+    def _load_from(
+        self, storage: Storage, model: Any, optim: Any, extra: dict[str, Any], progress: Progress | None, fetch: Any = None,
+    ) -> None:
         comm = self._call_comm("restore")
         plan: list[ExtraRestore] = []
 
@@ -382,7 +486,8 @@ class CheckpointManager:
                 item.apply(loaded, storage.url)
 
         load_model_and_more(
-            storage, comm, model, optim, knobs=self._knobs, validate=True, more_targets=targets, more_apply=apply, progress=progress
+            storage, comm, model, optim, knobs=self._knobs, validate=True, more_targets=targets, more_apply=apply, progress=progress,
+            fetch=fetch,
         )
 
     # --- end ------------------------------------------------------------------------------------------
@@ -475,7 +580,9 @@ class CheckpointManager:
             return
         step, handle = self._inflight
         self._inflight = None  # a failed save is reported once, then forgotten
-        handle.wait()
+        out = handle.wait()
+        if isinstance(out, SavedInMemory) and not out.persisted:
+            return
         if step not in self._steps:
             self._steps = sorted([*self._steps, step])
         self._retain(step)
@@ -578,6 +685,25 @@ def _check_positive(func: str, name: str, value: Any) -> None:
         raise TypeError(f"{func}: argument {name!r} must be an int or None, got bool {value!r}")
     if value is not None and value < 1:
         raise CheckpointError(f"{func}: {name} must be a positive integer or None, got {value!r}")
+
+
+def _check_memory_args(func: str, memory_dir: Any, replicas: Any, persist_every: Any, node: Any, groups: Any) -> None:
+    if memory_dir is not None and memory_dir is not True and not isinstance(memory_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"{func}: argument 'memory_dir' must be a local path (a tmpfs such as /dev/shm/...), True (a directory under "
+            f"/dev/shm named after root) or None, got {type(memory_dir).__qualname__} {memory_dir!r}"
+        )
+    if isinstance(memory_dir, str) and "://" in memory_dir:
+        raise CheckpointError(f"{func}: memory_dir must be a local directory (a tmpfs such as /dev/shm/...), got the URL {memory_dir!r}")
+    if type(replicas) is not int:
+        raise TypeError(f"{func}: argument 'replicas' must be an int, got {type(replicas).__qualname__} {replicas!r}")
+    if replicas < 0:
+        raise CheckpointError(f"{func}: replicas must be >= 0 (copies of each step on other nodes), got {replicas}")
+    _check_positive(func, "persist_every", persist_every)
+    if node is not None and (isinstance(node, bool) or not isinstance(node, (int, str))):
+        raise TypeError(f"{func}: argument 'node' must be an int, a str or None, got {type(node).__qualname__} {node!r}")
+    if groups is not None and not (isinstance(groups, (list, tuple)) and all(isinstance(g, (list, tuple)) and all(type(n) is int for n in g) for g in groups)):
+        raise TypeError(f"{func}: argument 'replica_groups' must be a list of lists of node numbers, got {groups!r}")
 
 
 def _check_step(func: str, step: Any) -> None:

@@ -17,6 +17,7 @@ from .fuzz_metadata import run_fuzz
 from .importers import KINDS, run_importers
 from .kill import run_kill
 from .manager import run_manager
+from .nodeloss import run_nodeloss
 from .race import run_race
 from .sandbox import Result
 
@@ -60,6 +61,13 @@ def test_hostile_foreign_checkpoints_raise_only_checkpoint_errors_in_every_impor
     assert report.counts["detected"] > 0
     assert report.bad == {}, report.failure_message()
     assert sum(report.notes[f"trials:{k}"] for k in KINDS) == report.trials
+
+
+def test_nodes_lost_at_random_moments_restore_bit_exact_never_older_than_safe(tmp_path: Path) -> None:
+    report = run_nodeloss(FAST["nodeloss"], SEED, workdir=str(tmp_path))
+    assert report.trials == FAST["nodeloss"]
+    assert report.counts["ok"] == report.trials, report.failure_message()
+    assert report.bad == {}, report.failure_message()
 
 
 class _Answers:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,20 +91,34 @@ def check_targets(meta: Any, tensors: list[LocalTensor], objects: list[str], whe
 def load_state(
     storage: Storage, state_dict: dict[str, Any], comm: Comm, meta: StorageMetadata, *, allow_pickle: bool, knobs: Knobs,
     progress: Progress | None = None,
+    fetch: Callable[[StorageMetadata, list[LocalTensor]], None] | None = None,
 ) -> None:
     """Fill the tensors of ``state_dict`` (nested as on save) in place from the checkpoint ``meta``
     describes, then replace its values and call each ``Stateful``'s ``load_state_dict``. Every rank
-    of ``comm`` calls it together; a failure on any rank raises on every rank."""
+    of ``comm`` calls it together; a failure on any rank raises on every rank.
+
+    ``fetch(meta, targets)``: called on every rank together, once every rank has described and
+    checked its targets and before any reads, to bring the bytes those targets need into
+    ``storage`` (a restore from peers' memory); it may run collectives of ``comm``'s ranks."""
     started = time.monotonic()
     nread = [0]
 
-    def run() -> tuple[Targets, dict[str, Any]]:
+    def described() -> tuple[Targets, list[LocalTensor], dict[str, Any]]:
         targets = load_targets(
             state_dict, StoredValues(meta), lambda: [*meta.tensors, *meta.objects, *meta.pickled_objects]
         )
         tensors, objects = describe_state(targets.flat, targets=True)
         check_targets(meta, tensors, list(objects), storage.url)
         values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=allow_pickle, where=storage.url)
+        return targets, tensors, values
+
+    first: list[Any] = []
+    if fetch is not None:
+        first.extend(comm.check(described))
+        fetch(meta, first[1])
+
+    def run() -> tuple[Targets, dict[str, Any]]:
+        targets, tensors, values = first if first else described()
         with Reader(storage, knobs) as reader:
             reader.load_tensors(((meta.tensors[t.key], t) for t in tensors), targets_done(progress, tensors))
             nread[0] = reader.bytes_read

@@ -3,6 +3,7 @@ small interface."""
 
 from .base import Directory, Location, Storage, Writer
 from .cloud_config import ObjectStoreOptions
+from .held import HeldFiles
 from .open import open_storage
 
-__all__ = ["Directory", "Location", "ObjectStoreOptions", "Storage", "Writer", "open_storage"]
+__all__ = ["Directory", "HeldFiles", "Location", "ObjectStoreOptions", "Storage", "Writer", "open_storage"]

@@ -1,0 +1,533 @@
+"""The memory tier of :class:`~shardsafe.CheckpointManager`: every step in the node's own RAM
+(tier 0), copied to other nodes' RAM through the job's process group (tier 1), written from there
+to the durable root every ``persist_every`` steps (tier 2); and the restore from whatever survives.
+
+Layout of each node's memory directory (a tmpfs such as ``/dev/shm``; one per node, shared by the
+node's ranks)::
+
+    memory_dir/step_00001000/metadata.json          the step's commit, the same bytes on every node
+    memory_dir/step_00001000/shard-r00003-<id>.safetensors   this node's ranks' files, and the copies it holds
+    memory_dir/step_00001000/memtier.json           which nodes hold which file, once all are copied
+
+A step directory is an ordinary checkpoint (the reader, ``verify`` and the checksums work on it);
+it holds every data file only where one node holds the whole step. ``metadata.json`` is sealed by
+its own checksum and committed before the copies are made, so "safe in memory" is recorded beside
+it in ``memtier.json`` rather than in it (a committed ``metadata.json`` is never rewritten).
+
+Call order: as for the manager; :meth:`MemoryTier.after_commit` runs in the save's background
+thread on the background group, after the step's tier-0 commit, on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .adapters import LocalTensor
+from .dist import Comm
+from .errors import CheckpointError, IncompleteCheckpointError
+from .format.metadata import METADATA_FILENAME, StorageMetadata, sealed_data_files
+from .storage import HeldFiles, Storage, open_storage
+
+__all__ = [
+    "SAFE_FILENAME", "MemoryTier", "RestoreReport", "SavedInMemory", "Transfer", "default_memory_dir", "fetch_plan", "newest_complete_step",
+    "node_of_this_process", "replica_nodes", "replication_plan",
+]
+
+log = logging.getLogger(__name__)
+
+SAFE_FILENAME = "memtier.json"
+_PART = ".part"  # a copy being received; renamed to its name once whole
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One file sent whole from group rank ``src`` to group rank ``dst``."""
+
+    file: str
+    size: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class SavedInMemory:
+    """The outcome of one step's memory save (what its background handle returns)."""
+
+    step: int
+    safe: bool  # every rank's files are held on more than one node
+    persisted: bool  # written to the durable root too
+
+
+@dataclass(slots=True)
+class RestoreReport:
+    """Where :meth:`CheckpointManager.restore` found its step (``manager.last_restore``)."""
+
+    step: int | None
+    tier: str  # "memory", "durable", or "none" (nothing to restore)
+    local_bytes: int = 0  # data-file bytes this rank read from its own node's memory directory
+    peer_bytes: int = 0  # data-file bytes this rank received from other nodes
+    why: str = ""  # why the durable tier was used, when it was
+    files: dict[str, str] = field(default_factory=dict)  # file -> "local" or "rank <r>" (memory restores)
+
+
+# --- placement: pure functions over small lists -------------------------------------------------
+
+
+def default_memory_dir(root_url: str) -> str:
+    """``memory_dir=True``: a directory under ``/dev/shm`` (RAM on Linux) named after the durable
+    root, so two jobs with different roots on one node keep apart."""
+    import hashlib
+
+    return os.path.join("/dev/shm", f"shardsafe-{hashlib.sha256(root_url.encode()).hexdigest()[:16]}")
+
+
+def node_of_this_process() -> str:
+    """This process's node when the caller names none: torchrun's ``GROUP_RANK`` (the agent's
+    node rank), else the host name."""
+    return os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+def replica_nodes(nodes: list[int], replicas: int, groups: list[list[int]] | None = None) -> dict[int, list[int]]:
+    """For each node of ``nodes`` (every rank's node), the other nodes that hold copies of its
+    ranks' files: the next ``replicas`` nodes in a ring over the node numbers, or, with
+    ``groups``, in a ring over the nodes of its own group (every node in exactly one group).
+    Fewer when there are not enough nodes (a ring of one node has no copy)."""
+    distinct = sorted(set(nodes))
+    if groups is None:
+        rings = [distinct]
+    else:
+        seen: dict[int, int] = {}
+        for i, g in enumerate(groups):
+            for n in g:
+                if n in seen:
+                    raise CheckpointError(f"CheckpointManager: replica_groups: node {n} is in group {seen[n]} and in group {i}")
+                seen[n] = i
+        missing = [n for n in distinct if n not in seen]
+        if missing:
+            raise CheckpointError(
+                f"CheckpointManager: replica_groups {groups} do not name node(s) {missing} of the job's nodes {distinct}; "
+                "every node must be in one group"
+            )
+        rings = [sorted(n for n in g if n in set(distinct)) for g in groups]
+    out: dict[int, list[int]] = {}
+    for ring in rings:
+        for i, n in enumerate(ring):
+            out[n] = [ring[(i + k) % len(ring)] for k in range(1, min(replicas, len(ring) - 1) + 1)]
+    return out
+
+
+def _ranks_of(nodes: list[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r, n in enumerate(nodes):
+        out.setdefault(n, []).append(r)
+    return out
+
+
+def replication_plan(nodes: list[int], files: list[tuple[str, int] | None], targets: dict[int, list[int]]) -> list[Transfer]:
+    """The copies of one step: rank ``r``'s file (``files[r]``: name and size, None when it wrote
+    none) goes to each node of ``targets[nodes[r]]``, to the rank there with the same place among
+    its node's ranks (modulo their number), so every rank sends and receives about as much."""
+    ranks_of = _ranks_of(nodes)
+    out = []
+    for r, f in enumerate(files):
+        if f is None:
+            continue
+        place = ranks_of[nodes[r]].index(r)
+        for t in targets[nodes[r]]:
+            receivers = ranks_of[t]
+            out.append(Transfer(f[0], f[1], r, receivers[place % len(receivers)]))
+    return out
+
+
+def newest_complete_step(inventories: dict[int, dict[int, Any]], *, below: int | None = None) -> int | None:
+    """The newest step whose ``metadata.json`` some node holds and whose every data file, at its
+    committed size, some node holds (``inventories``: node -> step -> (named files and sizes or
+    None, held files and sizes, safe))."""
+    steps = sorted({s for inv in inventories.values() for s in inv}, reverse=True)
+    for s in steps:
+        if below is not None and s > below:
+            continue
+        if _holders(inventories, s) is not None:
+            return s
+    return None
+
+
+def _holders(inventories: dict[int, dict[int, Any]], step: int) -> dict[str, list[int]] | None:
+    """file -> nodes holding it whole, for a complete step; None when the step is not complete."""
+    named = next((inv[step][0] for inv in inventories.values() if step in inv and inv[step][0] is not None), None)
+    if named is None:
+        return None
+    out: dict[str, list[int]] = {name: [] for name in named}
+    for node in sorted(inventories):
+        held = inventories[node].get(step)
+        if held is None:
+            continue
+        for name, size in held[1].items():
+            if name in named and named[name] == size:
+                out[name].append(node)
+    return out if all(out.values()) else None
+
+
+def fetch_plan(nodes: list[int], needs: list[list[str]], holders: dict[str, list[int]], sizes: dict[str, int]) -> list[Transfer]:
+    """Who sends which file to whom: each rank's ``needs`` (files its node does not hold) come
+    from a rank of a node that holds them, the one with the fewest bytes to send so far (ties:
+    the lowest rank), so a restore spreads its sends over every surviving holder."""
+    ranks_of = _ranks_of(nodes)
+    load: dict[int, int] = {r: 0 for r in range(len(nodes))}
+    out = []
+    for dst, files in enumerate(needs):
+        for f in files:
+            senders = [r for n in holders[f] for r in ranks_of.get(n, ())]
+            if not senders:
+                raise IncompleteCheckpointError(f"memory tier: no surviving rank holds {f} (held by nodes {holders[f]})")
+            src = min(senders, key=lambda r: (load[r], r))
+            load[src] += sizes[f]
+            out.append(Transfer(f, sizes[f], src, dst))
+    return out
+
+
+# --- the tier ------------------------------------------------------------------------------------
+
+
+def _file_tensor(path: str, size: int) -> tuple[torch.Tensor, Any]:
+    """The file at ``path`` as a uint8 tensor without copying it (a private mapping of the file
+    in tmpfs), and the mapping to close afterwards."""
+    with open(path, "rb") as f:
+        got = os.fstat(f.fileno()).st_size
+        if got != size:
+            raise CheckpointError(f"{path}: memory tier file has {got} bytes, expected {size}")
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8), None
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(mm, dtype=torch.uint8), mm
+
+
+class _Receiving:
+    """A file received straight into a new file of the node's memory directory (a shared
+    mapping), under a ``.part`` name until :meth:`finish` renames it."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path = path
+        self.part = path + _PART
+        fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE) if size else None
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8) if self.mm is not None else torch.empty(0, dtype=torch.uint8)
+
+    def finish(self) -> None:
+        del self.tensor
+        if self.mm is not None:
+            self.mm.close()
+        os.replace(self.part, self.path)
+
+
+class MemoryTier:
+    """One rank's view of the memory tier: its node's directory and the job's placement.
+
+    Created by every rank together (one all-gather of the node names). ``node`` names this
+    rank's node (ranks with the same name share ``memory_dir``); ``replicas`` copies of each
+    file go to other nodes, placed by :func:`replica_nodes`.
+    """
+
+    def __init__(
+        self, memory_dir: str, *, node: int | str | None, replicas: int, groups: list[list[int]] | None, comm: Comm, root_url: str,
+    ) -> None:
+        self.dir = os.path.abspath(os.fspath(memory_dir))
+        os.makedirs(self.dir, exist_ok=True)
+        self.root_url = root_url
+        self.replicas = replicas
+        name = node_of_this_process() if node is None else node
+        names = comm.all_gather(lambda: name)
+        comm.raise_failures(names)
+        order = {n: i for i, n in enumerate(dict.fromkeys(names))}  # node numbers in order of their first rank
+        self.nodes: list[int] = [n if isinstance(n, int) else order[n] for n in names]  # every group rank's node
+        self.node = self.nodes[comm.rank]
+        self.rank = comm.rank
+        self.leader = self.nodes.index(self.node) == comm.rank  # the node's first rank writes its shared files
+        self.targets = replica_nodes(self.nodes, replicas, groups)
+        if len(set(self.nodes)) > 1 and any(len(t) < replicas for t in self.targets.values()):
+            log.warning(
+                "CheckpointManager: replicas=%d but some nodes have only %s other node(s) to copy to", replicas,
+                sorted({len(t) for t in self.targets.values()}),
+            )
+
+    # --- paths ---------------------------------------------------------------------------------
+
+    def step_path(self, step_dir: str) -> str:
+        return os.path.join(self.dir, step_dir)
+
+    def step_storage(self, step_dir: str) -> Storage:
+        """The node's directory of one step as a storage whose URL is the same on every rank
+        (one save, one location: its files are named in one ``metadata.json``)."""
+        storage = open_storage(self.step_path(step_dir))
+        storage.url = f"memtier:{self.root_url.rstrip('/')}/{step_dir}"  # type: ignore[misc]
+        return storage
+
+    def clear_step(self, step_dir: str) -> None:
+        """(Node leader.) Remove what the node holds of a step: a stale copy of a step saved again."""
+        if self.leader:
+            _remove_tree(self.step_path(step_dir))
+
+    # --- save: after the tier-0 commit, in the background -----------------------------------------
+
+    def after_commit(self, side: Comm, step: int, step_dir: str, own: list[str], persist: Storage | None) -> SavedInMemory:
+        """Every rank, on the background group: the step's ``metadata.json`` to every node, each
+        rank's file to its replica nodes, the safe record, then tier 2 (``persist``: the step's
+        durable location, or None), then the node's older steps removed."""
+        path = self.step_path(step_dir)
+        times = [time.perf_counter()]
+        raw = side.broadcast(lambda: _read(os.path.join(path, METADATA_FILENAME)))
+        mine = [os.path.basename(f) for f in own]
+
+        def here() -> tuple[str, int] | None:  # a failure here (a full tmpfs) reaches every rank in the all-gather
+            if self.leader and not os.path.exists(os.path.join(path, METADATA_FILENAME)):
+                os.makedirs(path, exist_ok=True)
+                _write_atomic(os.path.join(path, METADATA_FILENAME), raw)
+            return (mine[0], os.path.getsize(os.path.join(path, mine[0]))) if mine else None
+
+        files = side.all_gather(here)
+        side.raise_failures(files)
+        plan = replication_plan(self.nodes, files, self.targets)
+        times.append(time.perf_counter())
+        self._run_transfers(side, plan, path, into_dir=True)
+        times.append(time.perf_counter())
+        holders: dict[str, list[int]] = {}
+        for r, f in enumerate(files):
+            if f is not None:
+                holders[f[0]] = [self.nodes[r]]
+        for t in plan:
+            holders[t.file].append(self.nodes[t.dst])
+        safe = all(len(set(h)) > 1 for h in holders.values())
+        record = json.dumps({"step": step, "safe": safe, "holders": {k: sorted(set(v)) for k, v in sorted(holders.items())}}).encode()
+        # every node writes its record before any node drops an older step
+        side.check(lambda: _write_atomic(os.path.join(path, SAFE_FILENAME), record) if self.leader else None)
+        times.append(time.perf_counter())
+        if persist is not None:
+            _persist(side, path, mine, raw, persist)
+        if self.leader:
+            self._drop_older(step_dir)
+        times.append(time.perf_counter())
+        log.debug(
+            "memory tier: step %d on rank %d: metadata to every node %.3f s, copies %.3f s, safe record %.3f s, persist and "
+            "cleanup %.3f s", step, self.rank, *(b - a for a, b in zip(times, times[1:])),
+        )
+        return SavedInMemory(step, safe, persist is not None)
+
+    def _run_transfers(self, comm: Comm, plan: list[Transfer], path: str, *, into_dir: bool, held: HeldFiles | None = None) -> int:
+        """Send and receive the whole files of ``plan``; received files go into the step's
+        directory (``into_dir``) or into ``held``. Returns the bytes received."""
+        sends, recvs, maps, receiving = [], [], [], []
+        got = 0
+
+        def post() -> None:
+            for tag, t in enumerate(plan):
+                if t.src == self.rank:
+                    tensor, mm = _file_tensor(os.path.join(path, t.file), t.size)
+                    sends.append((t.dst, tag, tensor))
+                    maps.append(mm)
+                if t.dst == self.rank:
+                    if into_dir:
+                        r = _Receiving(os.path.join(path, t.file), t.size)
+                        receiving.append(r)
+                        recvs.append((t.src, tag, r.tensor))
+                    else:
+                        buf = torch.empty(t.size, dtype=torch.uint8)
+                        receiving.append((t.file, buf))
+                        recvs.append((t.src, tag, buf))
+
+        comm.check(post)  # a file that cannot be opened fails every rank before any transfer
+        try:
+            comm.exchange(sends, recvs)
+        finally:
+            sends.clear()  # the tensors over the mappings go before the mappings
+            recvs.clear()
+            for mm in maps:
+                if mm is not None:
+                    mm.close()
+        for r in receiving:
+            if isinstance(r, _Receiving):
+                got += r.mm.size() if r.mm is not None else 0
+                r.finish()
+            else:
+                held.add(r[0], r[1].numpy())  # type: ignore[union-attr]
+                got += r[1].numel()
+        return got
+
+    def _drop_older(self, step_dir: str) -> None:
+        for name in _step_dirs(self.dir):
+            if name < step_dir:
+                _remove_tree(os.path.join(self.dir, name))
+
+    def forget_after(self, step_dir: str) -> None:
+        """(Node leader, once every rank has restored the step of ``step_dir``.) Remove the steps
+        newer than it: they belong to a run the job went back from, and a later restore must
+        never prefer them to what this run saves next."""
+        if self.leader:
+            for name in _step_dirs(self.dir):
+                if name > step_dir:
+                    _remove_tree(os.path.join(self.dir, name))
+
+    # --- restore ----------------------------------------------------------------------------------
+
+    def inventory(self) -> dict[int, tuple[dict[str, int] | None, dict[str, int], bool]]:
+        """What this node holds: step -> (the files its ``metadata.json`` names, with their sizes,
+        or None without one; the data files held whole, with their sizes; whether it is safe)."""
+        out = {}
+        for name in _step_dirs(self.dir):
+            path = os.path.join(self.dir, name)
+            try:
+                files = {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file() and not e.name.endswith(_PART)}
+            except FileNotFoundError:
+                continue
+            named = None
+            if METADATA_FILENAME in files:
+                try:
+                    named = _named_sizes(_read(os.path.join(path, METADATA_FILENAME)), os.path.join(path, METADATA_FILENAME))
+                except (CheckpointError, OSError) as e:
+                    log.warning("memory tier: %s/%s does not count: %s", path, METADATA_FILENAME, e)
+            safe = False
+            if SAFE_FILENAME in files:
+                try:
+                    safe = bool(json.loads(_read(os.path.join(path, SAFE_FILENAME))).get("safe"))
+                except (ValueError, OSError):
+                    safe = False
+            data = {k: v for k, v in files.items() if k not in (METADATA_FILENAME, SAFE_FILENAME)}
+            out[int(name[5:])] = (named, data, safe)
+        return out
+
+    def gather(self, comm: Comm) -> dict[int, dict[int, Any]]:
+        """Every node's inventory (one all-gather; a node's first rank speaks for it)."""
+        got = comm.all_gather(self.inventory)
+        comm.raise_failures(got)
+        out: dict[int, dict[int, Any]] = {}
+        for r, inv in enumerate(got):
+            out.setdefault(self.nodes[r], inv)
+        return out
+
+    def load(
+        self, comm: Comm, step: int, step_dir: str, inventories: dict[int, dict[int, Any]],
+        load: Callable[[Storage, Callable[[StorageMetadata, list[LocalTensor]], None]], None],
+    ) -> RestoreReport:
+        """Restore ``step`` from the nodes' memory: ``load(storage, fetch)`` runs the ordinary
+        load from a storage holding this node's files and, once ``fetch`` has run, the files
+        received from other nodes (every byte checked against its digests as it is read)."""
+        holders = _holders(inventories, step)
+        if holders is None:
+            raise IncompleteCheckpointError(f"memory tier: step {step} is not held whole by the surviving nodes")
+        named = next(inv[step][0] for inv in inventories.values() if step in inv and inv[step][0] is not None)
+        path = self.step_path(step_dir)
+        local = set(inventories.get(self.node, {}).get(step, (None, {}, False))[1])
+        base = open_storage(path) if os.path.isdir(path) else None
+        held = HeldFiles(f"memtier:{self.root_url.rstrip('/')}/{step_dir}", base)
+        report = RestoreReport(step, "memory")
+        meta_nodes = [n for n in sorted(inventories) if step in inventories[n] and inventories[n][step][0] is not None]
+        if self.nodes[0] not in meta_nodes:  # the coordinator reads metadata.json: bring it one
+            size = os.path.getsize(os.path.join(path, METADATA_FILENAME)) if self.node == meta_nodes[0] else 0
+            sizes = comm.all_gather(lambda: size)
+            comm.raise_failures(sizes)
+            src = self.nodes.index(meta_nodes[0])
+            self._run_transfers(comm, [Transfer(METADATA_FILENAME, max(sizes), src, 0)], path, into_dir=False, held=held)
+
+        def fetch(meta: StorageMetadata, targets: list[LocalTensor]) -> None:
+            def needs() -> list[str]:
+                wanted.update(_files_needed(meta, targets, named))
+                return sorted(wanted - local)
+
+            wanted: set[str] = set()
+            asked = comm.all_gather(needs)
+            comm.raise_failures(asked)
+            plan = fetch_plan(self.nodes, asked, holders, named)
+            report.peer_bytes = self._run_transfers(comm, plan, path, into_dir=False, held=held)
+            report.files = {t.file: f"rank {comm.global_ranks[t.src]}" for t in plan if t.dst == self.rank}
+            report.files.update({f: "local" for f in sorted(wanted & local)})
+            report.local_bytes = sum(named[f] for f in wanted & local)
+
+        load(held, fetch)
+        return report
+
+
+def _files_needed(meta: StorageMetadata, targets: list[LocalTensor], named: dict[str, int]) -> set[str]:
+    """The data files holding a chunk that overlaps a piece of ``targets`` (every file named,
+    for a metadata document without chunk tables)."""
+    table = meta.file_table or []
+    out: set[str] = set()
+    for t in targets:
+        tm = meta.tensors[t.key]
+        idx = tm.overlapping([(off, lens) for off, lens, _ in t.pieces])
+        if idx is None:
+            return set(named)
+        out.update(table[i].name for i in tm.files_of(idx))
+    return out
+
+
+def _persist(side: Comm, path: str, mine: list[str], raw: bytes, durable: Storage) -> None:
+    """Tier 2: each rank copies its own files from the node's memory to ``durable`` (no staging:
+    the bytes as they are, digests and all), then the coordinator commits the same
+    ``metadata.json`` there, last."""
+
+    def copy() -> None:
+        for name in mine:
+            with open(os.path.join(path, name), "rb", buffering=0) as f, durable.write_file(name) as w:
+                buf = bytearray(8 << 20)
+                view = memoryview(buf)
+                while n := f.readinto(buf):
+                    w.write(view[:n])
+
+    side.check(copy)
+    side.broadcast(lambda: durable.put_atomic(METADATA_FILENAME, raw, overwrite=False))
+
+
+def _named_sizes(raw: bytes, where: str) -> dict[str, int]:
+    names = sealed_data_files(raw, where=where)  # checks the document's own checksum
+    doc = json.loads(raw)
+    table = doc.get("file_table") or []
+    sizes = {f["name"]: f["size"] for f in table}
+    files = doc.get("files") or {}
+    sizes.update({k: v["size"] for k, v in files.items() if isinstance(v, dict) and "size" in v})
+    return {n: sizes.get(n, -1) for n in names}
+
+
+def _step_dirs(root: str) -> list[str]:
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith("step_") and n[5:].isdigit() and len(n) >= 13)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = path + _PART
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a step directory, ``metadata.json`` first (what is left is never a complete step)."""
+    try:
+        os.unlink(os.path.join(path, METADATA_FILENAME))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("memory tier: could not remove %s: %s", path, e)
+        return
+    shutil.rmtree(path, ignore_errors=True)
