@@ -8,6 +8,7 @@ from .corrupt import run_corrupt
 from .fuzz_metadata import run_fuzz
 from .importers import run_importers
 from .kill import run_kill
+from .load_exit import run_load_exit
 from .manager import run_manager
 from .race import run_race
 from .report import Report
@@ -21,10 +22,11 @@ CAMPAIGNS: dict[str, Callable[[int, int], Report]] = {
     "race": run_race,
     "manager": run_manager,
     "importers": run_importers,
+    "exit": run_load_exit,
 }
 # a fast run (make test) covers every exact kill point on one rank, each kind of damage to each
 # saved case once (3 cases x 5 kinds), each race mode; a full run (make reliability) takes about
 # 10 minutes on 2 shared cores
-FAST = {"kill": 15, "corrupt": 15, "fuzz": 40, "race": 3, "manager": 9, "importers": 12}
-FULL = {"kill": 300, "corrupt": 1500, "fuzz": 1000, "race": 90, "manager": 150, "importers": 600}
+FAST = {"kill": 15, "corrupt": 15, "fuzz": 40, "race": 3, "manager": 9, "importers": 12, "exit": 3}
+FULL = {"kill": 300, "corrupt": 1500, "fuzz": 1000, "race": 90, "manager": 150, "importers": 600, "exit": 60}
 SEED = 20240917
