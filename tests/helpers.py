@@ -244,7 +244,12 @@ def run_process(args: list[str], *, timeout: float = 120.0, check: bool = False,
 # ------------------------------------------------------------------ rank spawning
 
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify"])  # shardsafe imports its parts on first use
+# shardsafe imports its parts on first use; torch.distributed.tensor, fsdp and _dynamo (which FSDP2
+# and DTensor ops import) cost about 1.5 s of CPU in every rank that would import them itself
+CTX.set_forkserver_preload([
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo",
+    "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify",
+])
 
 
 _PORTS = (20000, 32000)  # below the kernel's ephemeral range (32768-60999 here), which client sockets take ports from
