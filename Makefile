@@ -35,7 +35,8 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n 2 --dist loadgroup tests
 
-# kill -9, corruption, metadata fuzzing, racing jobs and the step manager, hundreds of trials each;
+# kill -9, corruption, metadata fuzzing, racing jobs, the step manager, hostile foreign checkpoints and
+# processes that exit right after a load, dozens to hundreds of trials each;
 # `make test` runs a fast seeded subset of the same campaigns
 reliability: $(STAMP)
 	$(PY) -m tests.reliability --full

@@ -244,7 +244,12 @@ def run_process(args: list[str], *, timeout: float = 120.0, check: bool = False,
 # ------------------------------------------------------------------ rank spawning
 
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "torch.distributed", "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify"])  # shardsafe imports its parts on first use
+# shardsafe imports its parts on first use; torch.distributed.tensor, fsdp and _dynamo (which FSDP2
+# and DTensor ops import) cost about 1.5 s of CPU in every rank that would import them itself
+CTX.set_forkserver_preload([
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo",
+    "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify",
+])
 
 
 _PORTS = (20000, 32000)  # below the kernel's ephemeral range (32768-60999 here), which client sockets take ports from
@@ -329,6 +334,7 @@ def _run_ranks(world_size: int, fn: Callable[..., Any], args: tuple, timeout: fl
     for p in procs:
         p.start()
     results: dict[int, tuple[bool, Any, str]] = {}
+    hung = False
     try:
         watch = Watchdog([p.pid for p in procs], idle_s=timeout, cpu_s=timeout * world_size)
         for _ in range(world_size):
@@ -339,14 +345,17 @@ def _run_ranks(world_size: int, fn: Callable[..., Any], args: tuple, timeout: fl
                 except queue_mod.Empty:
                     why = watch.check()
                     if why is not None:
+                        hung = True
                         missing = sorted(set(range(world_size)) - set(results))
                         raise TimeoutError(f"ranks {missing} of {world_size} hang: {why}") from None
             results[rank] = (ok, value, tb)
             if not ok:  # the others may be blocked in a collective; give them a moment, then stop
                 break
     finally:
+        # one grace period for all ranks (not one each); none for ranks found hung: they sleep for ever
+        deadline = time.monotonic() + (0 if hung else 5 if len(results) == world_size else 10)
         for p in procs:
-            p.join(timeout=5 if len(results) == world_size else 10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -9,7 +9,7 @@ import torch
 
 import shardsafe.lightning
 
-__all__ = ["GLOBAL_BATCH", "fit", "net"]
+__all__ = ["GLOBAL_BATCH", "fit", "fits", "net"]
 
 GLOBAL_BATCH = 8
 
@@ -84,3 +84,10 @@ def fit(rank, ws, kind, ckpt_dir, max_steps, ckpt_path, truth_path=None):
         if rank == 0:
             torch.save({"model": msd, "optim": osd}, truth_path)
     return model.losses, trainer.global_step, trainer.current_epoch
+
+
+def fits(rank, ws, *runs):
+    """:func:`fit` with each of ``runs``' arguments in turn, in these ranks (a run may resume from
+    a checkpoint an earlier one wrote): one spawn, and one import of Lightning, for all of them.
+    Each run builds its own model, optimizer and Trainer."""
+    return [fit(rank, ws, *args) for args in runs]

@@ -1,10 +1,10 @@
-"""Load a checkpoint on N gloo ranks, RUNS times, each rank a process that ends the normal way
-(interpreter finalization) right after the load, with no barrier and no
-``destroy_process_group``, the way a training script ends. Prints a JSON list: for each run,
-each rank's exit status (0, a nonzero exit code, or minus the signal: -6 is an abort,
-``terminate called without an active exception``).
+"""Load a checkpoint on N gloo ranks, RUNS times for each N given (3 if none), each rank a
+process that ends the normal way (interpreter finalization) right after the load, with no
+barrier and no ``destroy_process_group``, the way a training script ends. Prints a JSON list:
+for each run, in order, each rank's exit status (0, a nonzero exit code, or minus the signal: -6
+is an abort, ``terminate called without an active exception``).
 
-    python -m tests.load_exit_runs CKPT_DIR RUNS [WORLD_SIZE]
+    python -m tests.load_exit_runs CKPT_DIR RUNS [WORLD_SIZE ...]
 
 ``CKPT_DIR`` holds the checkpoint of :func:`make_checkpoint`. Ranks are forked from this
 process after it has imported torch (a run takes about a second, not three interpreter
@@ -81,11 +81,31 @@ def _wait(pids: list[int], timeout: float) -> list[int | str]:
     return [status[r] for r in range(len(pids))]
 
 
+def runs_in_a_process(path: str, runs: int, *world_sizes: int, timeout: float = 120.0) -> list[list[int | str]]:
+    """``runs`` runs of each of ``world_sizes`` ranks on the checkpoint at ``path``, in one fresh
+    interpreter (``python -m tests.load_exit_runs``): each run's exit statuses, in rank order."""
+    from .helpers import run_process
+
+    src = os.path.dirname(os.path.dirname(shardsafe.__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, root])}
+    out = run_process(
+        [sys.executable, "-m", "tests.load_exit_runs", path, str(runs), *map(str, world_sizes)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"tests.load_exit_runs exited {out.returncode}:\n{out.stderr[-3000:]}")
+    statuses = json.loads(out.stdout.strip().splitlines()[-1])
+    if [len(st) for st in statuses] != [ws for ws in world_sizes for _ in range(runs)]:
+        raise RuntimeError(f"runs of {[len(st) for st in statuses]} ranks reported, not {runs} of each of {world_sizes}:\n{out.stderr[-2000:]}")
+    return statuses
+
+
 def main() -> None:
     path, runs = sys.argv[1], int(sys.argv[2])
-    world_size = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    world_sizes = [int(a) for a in sys.argv[3:]] or [3]
     out = []
-    for _ in range(runs):
+    for world_size in (ws for ws in world_sizes for _ in range(runs)):
         port = free_port()
         pids = []
         for r in range(world_size):

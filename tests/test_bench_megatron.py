@@ -1,7 +1,8 @@
 """``benchmarks/bench_megatron.py --quick`` runs shardsafe.megatron and megatron-core's torch_dist
-on 4 real gloo ranks and prints a table row per (operation, method), every load bit-exact, and a
-parseable ``MEGATRON`` / ``TARGETS`` pair (checked for shape, not against the targets: timings do
-not belong in unit tests)."""
+on real gloo ranks (here 2, TP2 x DP1, one layer: the smallest run that saves, loads and reshards
+through every method; ``make bench-megatron`` runs the 4-rank TP2 x DP2 case) and prints a table
+row per (operation, method), every load bit-exact, and a parseable ``MEGATRON`` / ``TARGETS`` pair
+(checked for shape, not against the targets: timings do not belong in unit tests)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _number(text: str, unit: str = "") -> float:
 
 def test_quick_run_prints_megatron_lines(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    args = ["--quick", "--methods", ",".join(METHODS), "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
+    args = ["--quick", "--dp", "1", "--layers", "1", "--methods", ",".join(METHODS), "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
     out = run_process([sys.executable, str(ROOT / "benchmarks" / "bench_megatron.py"), *args],
                          capture_output=True, text=True, env=env, timeout=240, check=True).stdout
 
@@ -56,6 +57,6 @@ def test_quick_run_prints_megatron_lines(tmp_path: Path) -> None:
 
     saved = json.loads((tmp_path / "out" / "megatron.json").read_text())
     assert {(r["op"], r["method"], r["rank"]) for r in saved["records"]} == {
-        (op, m, rank) for op in ("save", "load", "reshard") for m in METHODS for rank in range(4)
+        (op, m, rank) for op in ("save", "load", "reshard") for m in METHODS for rank in range(2)
     }
     assert not (tmp_path / "ckpt").exists()  # the scratch checkpoints are removed

@@ -21,7 +21,7 @@ import shardsafe.dcp
 from shardsafe import Checkpointer, CheckpointExistsError, CorruptCheckpointError, PickleNotAllowedError, ShardedTensor
 from shardsafe.dcp import UnsafePickleError
 
-from .helpers import assert_bits, dcp_failure, run_ranks
+from .helpers import assert_bits, built_once, dcp_failure, run_ranks
 from .helpers import full_tensor as full
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
@@ -115,12 +115,35 @@ def _api_load_fsdp(rank, ws, path, out_path):
     return [g["betas"] for g in optim.param_groups], [g["lr"] for g in optim.param_groups]
 
 
+def _built_on_2_ranks(tmp_path_factory, name, fn, *args) -> tuple[str, str]:
+    """The checkpoint and truth ``fn`` saves on 2 ranks, once per test run for every test (and
+    worker) that reads it: read them, never change them."""
+
+    def build(base):
+        os.makedirs(base)
+        run_ranks(2, fn, os.path.join(base, "ckpt"), os.path.join(base, "truth.pt"), *args)
+
+    base = built_once(tmp_path_factory, name, build)
+    return os.path.join(base, "ckpt"), os.path.join(base, "truth.pt")
+
+
+@pytest.fixture
+def dcp_saved_without_pickle(tmp_path_factory) -> tuple[str, str]:
+    """``dcp.save`` through our StorageWriter (allow_pickle=False) of a trained FSDP2 model + AdamW, and its truth."""
+    return _built_on_2_ranks(tmp_path_factory, "dcp-fsdp2-no-pickle", _dcp_save_fsdp, False, False)
+
+
+@pytest.fixture
+def our_saved(tmp_path_factory) -> tuple[str, str]:
+    """``save_model_and_optim_state`` of a trained FSDP2 model + AdamW on 2 ranks, and its truth."""
+    return _built_on_2_ranks(tmp_path_factory, "dcp-fsdp2-ours", _our_save_fsdp)
+
+
 @pytest.mark.parametrize("ws", [1, 4])
-def test_dcp_get_state_dict_save_loads_with_load_model_and_optim_state(tmp_path, ws):
+def test_dcp_get_state_dict_save_loads_with_load_model_and_optim_state(tmp_path, ws, dcp_saved_without_pickle):
     """``dcp.save`` of ``get_state_dict``'s FSDP2 model + AdamW state (param groups flattened by
     DCP to ``optim.param_groups.0.*``, betas a tuple) with no pickle, loaded by our API."""
-    path, truth = str(tmp_path / "ckpt"), str(tmp_path / "truth.pt")
-    run_ranks(2, _dcp_save_fsdp, path, truth, False, False)
+    path, truth = dcp_saved_without_pickle
     meta = Checkpointer().get_metadata(path, no_dist=True)
     assert meta.pickled_objects == {} and "optim.param_groups" not in meta.objects
     out = str(tmp_path / "loaded.pt")
@@ -210,9 +233,8 @@ def _our_save_fsdp(rank, ws, path, truth_path):
 
 
 @pytest.mark.parametrize("ws", [1, 4])
-def test_save_model_and_optim_state_loads_through_dcp_on_other_world_sizes(tmp_path, ws):
-    path, truth, out = str(tmp_path / "ckpt"), str(tmp_path / "truth.pt"), str(tmp_path / "loaded.pt")
-    run_ranks(2, _our_save_fsdp, path, truth)
+def test_save_model_and_optim_state_loads_through_dcp_on_other_world_sizes(tmp_path, ws, our_saved):
+    (path, truth), out = our_saved, str(tmp_path / "loaded.pt")
     # the stored param groups are one JSON list; DCP asks for optim.param_groups.0.lr and the like
     results = run_ranks(ws, _dcp_load_fsdp_model_optim, path, out)
     _compare_states(torch.load(out), torch.load(truth))

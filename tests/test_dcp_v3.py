@@ -24,7 +24,7 @@ import shardsafe.dcp
 from shardsafe import Checkpointer, CorruptCheckpointError, DtypeMismatchError
 from shardsafe.knobs import Knobs
 
-from .helpers import assert_bits, dcp_failure, flip_byte, run_ranks
+from .helpers import assert_bits, built_once, dcp_failure, flip_byte, run_ranks
 from .spec_reader import SpecError, read_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
@@ -67,9 +67,8 @@ def _dcp_save(rank, ws, path):
 
 @pytest.fixture(scope="module")
 def dcp_ckpt(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("dcp_v3") / "ckpt")
-    run_ranks(2, _dcp_save, path)
-    return path
+    """Built once per test run for every xdist worker (this module's tests spread over both): read it, never change it."""
+    return built_once(tmp_path_factory, "dcp-v3/ckpt", lambda path: run_ranks(2, _dcp_save, path))
 
 
 def _metadata(path: str) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -11,7 +12,7 @@ import shardsafe
 from shardsafe import Checkpointer, ShardedTensor
 from shardsafe.knobs import KNOBS
 
-from .helpers import device_mesh, dtensor, full_tensor, run_ranks
+from .helpers import built_once, device_mesh, dtensor, full_tensor, run_ranks
 
 
 def _save_dtensors(rank, ws, path, tensors):
@@ -42,10 +43,24 @@ SAVE_LAYOUTS = {
 }
 
 
+def _build_ws2(base):
+    os.makedirs(base)
+    _, keys = run_ranks(2, _save_dtensors, os.path.join(base, "ckpt"), SAVE_LAYOUTS)[0]
+    with open(os.path.join(base, "keys.json"), "w") as f:
+        json.dump(keys, f)
+
+
+@pytest.fixture
+def saved_ws2(tmp_path_factory) -> tuple[str, list[str]]:
+    """SAVE_LAYOUTS saved on 2 ranks, once per test run for all three load world sizes: read it, never change it."""
+    base = built_once(tmp_path_factory, "dtensor-ws2", _build_ws2)
+    with open(os.path.join(base, "keys.json")) as f:
+        return os.path.join(base, "ckpt"), json.load(f)
+
+
 @pytest.mark.parametrize("load_ws", [1, 3, 4])
-def test_dtensor_save_ws2_load_other_world_sizes(tmp_path, load_ws):
-    path = str(tmp_path / "ckpt")
-    files, keys = run_ranks(2, _save_dtensors, path, SAVE_LAYOUTS)[0]
+def test_dtensor_save_ws2_load_other_world_sizes(saved_ws2, load_ws):
+    path, keys = saved_ws2
     assert keys == sorted(SAVE_LAYOUTS)
     # load with different placements in a different world size
     flip = {k: (shape, (load_ws,), ["S1" if len(shape) > 1 else "S0"]) for k, (shape, _, _) in SAVE_LAYOUTS.items()}

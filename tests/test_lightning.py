@@ -22,15 +22,17 @@ import shardsafe  # noqa: E402
 import shardsafe.lightning  # noqa: E402
 
 from .helpers import assert_bits, run_ranks  # noqa: E402
-from .lightning_runs import fit, net  # noqa: E402
+from .lightning_runs import fit, fits, net  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_trainer_resumes_at_another_world_size_with_the_same_losses(tmp_path, kind):
     ckpts = str(tmp_path / "ckpts")
-    full = run_ranks(2, fit, kind, ckpts, 6, None)  # uninterrupted: 6 steps on 2 ranks, saved every 2 steps
     step4 = os.path.join(ckpts, "step=4.ckpt")
+    # uninterrupted: 6 steps on 2 ranks, saved every 2 steps; then, in the same ranks, a new
+    # Trainer resumed from step 4 on the same world size
+    full, again = zip(*run_ranks(2, fits, (kind, ckpts, 6, None), (kind, str(tmp_path / "again"), 6, step4)))
     assert sorted(os.listdir(ckpts)) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
     assert shardsafe.lightning.read_meta(os.path.join(ckpts, "last.ckpt"))["global_step"] == 6  # replaced at each save
     assert "metadata.json" in os.listdir(step4) and "meta.pt" not in os.listdir(step4)
@@ -39,7 +41,6 @@ def test_trainer_resumes_at_another_world_size_with_the_same_losses(tmp_path, ki
     assert meta["global_step"] == 4 and meta["lr_schedulers"][0]["last_epoch"] == 4
 
     # resumed on the same world size: bit-exact losses of steps 5 and 6 on each rank
-    again = run_ranks(2, fit, kind, str(tmp_path / "again"), 6, step4)
     for rank in range(2):
         assert again[rank][0] == full[rank][0][4:], rank
         assert again[rank][1:] == full[rank][1:] == (6, 3)
@@ -55,10 +56,10 @@ def test_trainer_resumes_at_another_world_size_with_the_same_losses(tmp_path, ki
 
 def test_a_folder_lightnings_own_strategy_wrote_resumes_through_shardsafe(tmp_path):
     ckpts = str(tmp_path / "ckpts")
-    full = run_ranks(2, fit, "lightning-fsdp", ckpts, 6, None)
     step4 = os.path.join(ckpts, "step=4.ckpt")
+    # Lightning's own strategy trains and saves; a new Trainer in the same ranks resumes through shardsafe's
+    full, again = zip(*run_ranks(2, fits, ("lightning-fsdp", ckpts, 6, None), ("fsdp", str(tmp_path / "again"), 6, step4)))
     assert {".metadata", "meta.pt"} <= set(os.listdir(step4))
-    again = run_ranks(2, fit, "fsdp", str(tmp_path / "again"), 6, step4)
     for rank in range(2):
         assert again[rank][0] == full[rank][0][4:], rank
         assert again[rank][1:] == full[rank][1:] == (6, 3)

@@ -23,7 +23,7 @@ from shardsafe import CheckpointExistsError, CorruptCheckpointError, MissingKeyE
 from shardsafe.cli import main
 from shardsafe.lightning._torch_file import LazyTensor, save_streamed
 
-from .helpers import assert_same, run_process, run_ranks
+from .helpers import assert_same, built_once, run_process, run_ranks
 from .simulate import simulate_save
 from .terminal import on_a_pty
 
@@ -121,9 +121,8 @@ def _fsdp_save(rank, ws, path):
 
 @pytest.fixture(scope="module")
 def fsdp_ckpt(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("fsdp") / "step=2.ckpt")
-    run_ranks(2, _fsdp_save, path)
-    return path
+    """Built once per test run for every xdist worker (this module's tests spread over both): read it, never change it."""
+    return built_once(tmp_path_factory, "lightning-fsdp/step=2.ckpt", lambda path: run_ranks(2, _fsdp_save, path))
 
 
 def _in_memory(path: str) -> dict:

@@ -58,7 +58,7 @@ from shardsafe.megatron.strategies import (
     ShardsafeLoadShardedStrategy,
     ShardsafeSaveShardedStrategy,
 )
-from tests.helpers import run_ranks
+from tests.helpers import built_once, run_ranks
 
 V, H, F, L = 16, 8, 12, 4  # vocabulary, hidden, GLU half width, layers
 SAVE_LAYOUT = (2, 2, 1)  # (tp, pp, dp)
@@ -348,12 +348,20 @@ def _refusals(rank: int, ws: int, root: str) -> list[tuple[str, str, bool]]:
 # --- the checkpoint of the 4-rank job, shared by the tests that read it -----------------------------
 
 
+def _build_saved(root):
+    os.makedirs(root)
+    results = run_ranks(4, _save_and_reshard, os.path.join(root, "tp2pp2"), os.path.join(root, "tp1pp2dp2"))
+    with open(os.path.join(root, "mismatches.json"), "w") as f:
+        json.dump([m for r in results for m in r], f)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron")
-    path, back = str(root / "tp2pp2"), str(root / "tp1pp2dp2")
-    results = run_ranks(4, _save_and_reshard, path, back)
-    return path, back, [m for r in results for m in r]
+    """Built once per test run for every xdist worker (this module's tests spread over both): read it, never change it."""
+    root = built_once(tmp_path_factory, "megatron-tp2pp2", _build_saved)
+    with open(os.path.join(root, "mismatches.json")) as f:
+        bad = json.load(f)
+    return os.path.join(root, "tp2pp2"), os.path.join(root, "tp1pp2dp2"), bad
 
 
 def test_save_tp2pp2_and_load_same_layout_tp1pp2dp2_and_back_bit_exact(saved):

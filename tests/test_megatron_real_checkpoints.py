@@ -28,7 +28,7 @@ from shardsafe.megatron import (
     load,
     load_common_state_dict,
 )
-from tests.helpers import run_ranks
+from tests.helpers import built_once, run_ranks
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 
@@ -124,9 +124,8 @@ def _nothing_registered_with_torch():
 
 @pytest.fixture(scope="module")
 def megatron_dir(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("megatron_lm") / "iter_0000250")
-    run_ranks(TP * OTHER, _megatron_save, path, timeout=600)
-    return path
+    """Built once per test run for every xdist worker (the tests spread over both): read it, never change it."""
+    return built_once(tmp_path_factory, "megatron-lm/iter_0000250", lambda path: run_ranks(TP * OTHER, _megatron_save, path, timeout=600))
 
 
 def _request() -> dict:

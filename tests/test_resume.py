@@ -3,10 +3,13 @@ parallelism, continue. The losses after the resume are those of the uninterrupte
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
-from .helpers import run_ranks
+from .helpers import built_once, run_ranks
 
 # one worker runs the whole module, so its module-scoped checkpoints are made once
 pytestmark = pytest.mark.xdist_group("resume")
@@ -54,13 +57,21 @@ def test_resume_in_another_parallelism_is_bit_exact(tmp_path):
     assert full[-1] < full[0]  # it trains
 
 
+def _fsdp2_run(base):
+    os.makedirs(base)
+    full = _losses("fsdp2", 2, (0, K))
+    assert _losses("fsdp2", 2, (0, SAVE_AT), save_to=os.path.join(base, "step3")) == full[:SAVE_AT]
+    with open(os.path.join(base, "losses.json"), "w") as f:
+        json.dump(full, f)
+
+
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory):
-    """FSDP2 on 2 ranks with real data parallelism: K uninterrupted losses, and a checkpoint at k."""
-    full = _losses("fsdp2", 2, (0, K))
-    ckpt = str(tmp_path_factory.mktemp("resume") / "step3")
-    assert _losses("fsdp2", 2, (0, SAVE_AT), save_to=ckpt) == full[:SAVE_AT]
-    return full, ckpt
+    """FSDP2 on 2 ranks with real data parallelism: K uninterrupted losses, and a checkpoint at k;
+    built once per test run (xdist tears module fixtures down when a worker's queue runs dry)."""
+    base = built_once(tmp_path_factory, "resume-fsdp2", _fsdp2_run)
+    with open(os.path.join(base, "losses.json")) as f:
+        return json.load(f), os.path.join(base, "step3")
 
 
 @pytest.mark.parametrize("kind,ws", [("plain", 1), ("fsdp2", 4), ("fsdp2_tp", 4)])

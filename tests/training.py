@@ -42,26 +42,30 @@ def full_state(model, optim) -> dict[str, torch.Tensor | object]:
     if optim is None:
         return out
     by_id = {id(i.tensor): i for i in params}
+    entries = [p for group in optim.param_groups for p in group["params"]]
+    states = [optim.state.get(p, {}) for p in entries]
+    # each state's kinds, and its scalars' values, from every rank in one collective each (FSDP1
+    # ranks without a part of p hold no state for it); one gather per parameter cost a hundred
+    # round trips a call
+    kinds = [{n: (v.dim() == 0 and type(v) is torch.Tensor, v.dtype) for n, v in st.items()} for st in states]
+    scalars = [{n: st[n].clone() for n, (scalar, _) in ks.items() if scalar} for st, ks in zip(states, kinds)]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (kinds, scalars))
+        kinds = [{n: k for ks, _ in every for n, k in ks[i].items()} for i in range(len(entries))]
+        scalars = [{n: v for _, sc in reversed(every) for n, v in sc[i].items()} for i in range(len(entries))]  # the lowest rank's
+    i = 0
     for gi, group in enumerate(optim.param_groups):
         for p in group["params"]:
-            info = by_id[id(p)]
-            st = optim.state.get(p, {})
-            kinds = {n: (v.dim() == 0 and type(v) is torch.Tensor, v.dtype) for n, v in st.items()}
-            if dist.is_initialized():  # FSDP1 ranks without a part of p hold no state for it
-                every = [None] * dist.get_world_size()
-                dist.all_gather_object(every, kinds)
-                kinds = {n: k for ks in every for n, k in ks.items()}
-            for name in sorted(kinds):
-                scalar, dtype = kinds[name]
-                v = st.get(name)
+            info, st = by_id[id(p)], states[i]
+            for name in sorted(kinds[i]):
+                scalar, dtype = kinds[i][name]
                 if scalar:
-                    if dist.is_initialized():
-                        vals = [None] * dist.get_world_size()
-                        dist.all_gather_object(vals, None if v is None else v.clone())
-                        v = next(x for x in vals if x is not None)
-                    out[f"optim.{info.fqn}.{name}"] = v.clone()
+                    out[f"optim.{info.fqn}.{name}"] = scalars[i][name].clone()
                 else:
+                    v = st.get(name)
                     out[f"optim.{info.fqn}.{name}"] = full(info, torch.empty(0, dtype=dtype) if v is None else v)
+            i += 1
         out[f"optim.group{gi}"] = {k: v for k, v in group.items() if k != "params"}
     return out
 

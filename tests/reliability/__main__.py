@@ -1,4 +1,4 @@
-"""``python -m tests.reliability [--full] [--seed N] [--only kill,corrupt,fuzz,race,manager,importers,nodeloss] [--trials N]``
+"""``python -m tests.reliability [--full] [--seed N] [--only kill,corrupt,fuzz,race,manager,importers,nodeloss,exit] [--trials N]``
 
 Runs the campaigns, prints a table per campaign and one ``RELIABILITY {json}`` line each, and
 exits 1 if any campaign had a bad outcome (2 on bad arguments).
