@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PATCHED", "child", "install"]
+__all__ = ["PATCHED", "child", "install", "report_errors"]
 
 PATCHED = ("open", "write", "fsync", "replace", "link", "unlink")
 
@@ -70,13 +70,12 @@ def install(point: dict[str, Any] | None, rank: int, counts: Counter, fns: tuple
         setattr(os, fn, wrapper)
 
 
-def report_errors(rank: int, root: str, body: Callable[[], None]) -> None:
-    """Run ``body``; a rank whose body raises writes ``error-r<rank>.txt`` (the exception's class and
-    traceback, renamed into place when whole: the rank may be killed meanwhile) and exits 1."""
+def report_errors(path: str, body: Callable[[], None]) -> None:
+    """Run ``body``; a rank whose body raises writes the exception's class and traceback to
+    ``path`` (renamed into place when whole: the rank may be killed meanwhile) and exits 1."""
     try:
         body()
     except BaseException as e:  # noqa: BLE001 - e.g. a rank whose peer was killed: reported by the parent
-        path = os.path.join(root, f"error-r{rank}.txt")
         with open(path + ".tmp", "w") as f:
             f.write(f"{type(e).__module__}.{type(e).__qualname__}\n{traceback.format_exc()}")
         os.rename(path + ".tmp", path)
@@ -85,7 +84,7 @@ def report_errors(rank: int, root: str, body: Callable[[], None]) -> None:
 
 def child(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> None:
     """Run ``plan`` as rank ``rank`` of ``world``; see the module docstring."""
-    report_errors(rank, root, lambda: _run(rank, world, port, root, plan))
+    report_errors(os.path.join(root, f"error-r{rank}.txt"), lambda: _run(rank, world, port, root, plan))
 
 
 def _run(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> None:

@@ -91,7 +91,7 @@ def job(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> No
     """Rank ``rank`` of ``world`` saves ``STEPS`` with a manager (``plan``: ``async``, ``point``,
     ``count``). Rank 0 logs ``saved <step>`` when a save returned and ``closed`` at the end; a
     rank that raises writes ``error-r<rank>.txt`` and exits 1."""
-    report_errors(rank, root, lambda: _job(rank, world, port, root, plan))
+    report_errors(os.path.join(root, f"error-r{rank}.txt"), lambda: _job(rank, world, port, root, plan))
 
 
 def _job(rank: int, world: int, port: int, root: str, plan: dict[str, Any]) -> None:

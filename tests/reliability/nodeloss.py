@@ -28,11 +28,11 @@ import os
 import random
 import shutil
 import signal
-import sys
 import time
-import traceback
 from typing import Any
 
+from .jobs import kill_all
+from .kill_child import report_errors
 from .report import Report
 from .sandbox import CONTEXT, campaign
 
@@ -82,14 +82,7 @@ class _Model:
 
 
 def job(rank: int, world: int, port: int, work: str, plan: dict[str, Any]) -> None:
-    try:
-        _job(rank, world, port, work, plan)
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        path = os.path.join(work, f"error-{plan['phase']}-r{rank}.txt")
-        with open(path + ".tmp", "w") as f:
-            f.write(f"{type(e).__module__}.{type(e).__qualname__}\n{traceback.format_exc()}")
-        os.rename(path + ".tmp", path)
-        sys.exit(1)
+    report_errors(os.path.join(work, f"error-{plan['phase']}-r{rank}.txt"), lambda: _job(rank, world, port, work, plan))
 
 
 def _job(rank: int, world: int, port: int, work: str, plan: dict[str, Any]) -> None:
@@ -157,14 +150,7 @@ def _run_job(work: str, plan: dict[str, Any], delay: float | None) -> str:
         if delay is None and any(p.exitcode is None for p in procs):
             return "hang"
     finally:
-        for p in procs:
-            if p.exitcode is None:
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            p.join()
+        kill_all(procs)
     codes = [p.exitcode for p in procs]
     if -signal.SIGKILL in codes:
         return "killed"
