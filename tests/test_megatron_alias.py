@@ -419,6 +419,22 @@ def test_a_cast_load_of_a_padded_tensor_keeps_zeros_outside_the_stored_shape(tmp
     assert torch.equal(got["w"], torch.tensor([[1.0, 2, 3, 0, 0], [4, 5, 6, 0, 0]]))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("cast", [False, True])
+def test_a_load_fills_the_models_own_parameters_that_require_grad(tmp_path, padded, cast):
+    """Megatron's models hand their parameters themselves (leaves that require grad) as the
+    ShardedTensors' data: a padded (allow_shape_mismatch) or cast load fills them in place too
+    (Megatron-Core's models/test_gpt_model.py reconfiguration tests)."""
+    path = str(tmp_path / "p")
+    stored = torch.arange(1, 7, dtype=torch.float64 if cast else torch.float32).reshape(2, 3)
+    save({"w": ShardedTensor.from_rank_offsets("w", stored)}, path)
+    param = torch.nn.Parameter(torch.full((2, 5) if padded else (2, 3), 7.0))
+    got = load({"w": ShardedTensor.from_rank_offsets("w", param, allow_shape_mismatch=padded)}, path)
+    want = torch.tensor([[1.0, 2, 3, 0, 0], [4, 5, 6, 0, 0]]) if padded else torch.arange(1.0, 7).reshape(2, 3)
+    assert got["w"] is param and param.requires_grad and param.grad_fn is None
+    assert torch.equal(param.detach(), want)
+
+
 def test_diff_compares_tensors_by_value_across_dtypes_as_megatron_does():
     from shardsafe.megatron.dict_utils import diff
 

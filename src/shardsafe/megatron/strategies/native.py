@@ -393,8 +393,9 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
         if strict == StrictHandling.IGNORE_ALL:
             missing, unexpected = set(), set()
         self.read_targets(checkpoint_dir, prepared["targets"], meta)
-        for stored_dtype, requested in prepared["casts"]:
-            requested.copy_(stored_dtype)
+        with torch.no_grad():  # requested may be a parameter that requires grad
+            for stored_dtype, requested in prepared["casts"]:
+                requested.copy_(stored_dtype)
         objects = prepared["objects"]
 
         def result(v: Any) -> Any:
@@ -430,7 +431,8 @@ class ShardsafeLoadShardedStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 if v.data is None:
                     v.init_data("cpu", torch.zeros if v.allow_shape_mismatch else torch.empty)
                 elif v.allow_shape_mismatch:
-                    v.data.zero_()
+                    with torch.no_grad():  # data may be the model's parameter itself (a leaf that requires grad)
+                        v.data.zero_()
                 stored = meta.tensors.get(v.key)
                 into = v
                 if stored is not None and stored.torch_dtype != v.data.dtype:  # read as stored, cast after (as Megatron-Core's DCP load does)
