@@ -22,6 +22,11 @@ import torch
 import torch.distributed as dist
 
 import shardsafe
+
+# `import shardsafe` is lazy: load the save and load paths (pydantic & co., ~13 MiB) here, not
+# inside the first timed call
+import shardsafe.engine.loader  # noqa: F401
+import shardsafe.engine.writer  # noqa: F401
 from shardsafe.engine.buffers import byte_view
 from shardsafe.storage.local import _sync_file_range as sync_file_range
 
