@@ -3,6 +3,7 @@ rank writing ``ready-r<rank>`` once it is under way, killed after a delay or lef
 
 from __future__ import annotations
 
+import json
 import multiprocessing.connection as mpc
 import os
 import signal
@@ -68,3 +69,22 @@ def run_job(target: Callable[..., None], world: int, root: str, plan: dict[str, 
     if -signal.SIGKILL in codes:  # a rank whose peer died may have raised first: that is its right
         return "killed", took
     return ("child-error" if any(codes) else "finished"), took
+
+
+def rank_errors(root: str) -> str:
+    """The ``error-r<rank>.txt`` reports of a job's ranks (each one's last 1500 characters)."""
+    out = []
+    for name in sorted(os.listdir(root)):
+        if name.startswith("error-r"):
+            with open(os.path.join(root, name)) as f:
+                out.append(f"{name}: {f.read()[-1500:]}")
+    return "\n".join(out)
+
+
+def read_counts(root: str, world: int) -> dict[int, dict[str, int]]:
+    """The ``counts-r<rank>.json`` a counting run's ranks wrote: calls per patched function."""
+    counts = {}
+    for r in range(world):
+        with open(os.path.join(root, f"counts-r{r}.json")) as f:
+            counts[r] = json.load(f)
+    return counts

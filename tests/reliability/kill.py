@@ -20,7 +20,6 @@ a launcher would. Then, for every directory the job touched:
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -28,7 +27,7 @@ import shutil
 from collections import Counter
 
 from .corrupt import classify
-from .jobs import run_job
+from .jobs import rank_errors, read_counts, run_job
 from .kill_child import child
 from .paths import run_path
 from .report import Report
@@ -137,21 +136,9 @@ def _count(world: int, root: str, timeout: float) -> tuple[dict[int, dict[str, i
     os.makedirs(root)
     status, took = run_job(child, world, root, {"saves": SEQUENCE, "point": None, "count": True}, None, timeout)
     if status != "finished":
-        raise RuntimeError(f"the counting run of world size {world} ended {status}: {_errors(root)}")
-    counts = {}
-    for r in range(world):
-        with open(os.path.join(root, f"counts-r{r}.json")) as f:
-            counts[r] = json.load(f)
+        raise RuntimeError(f"the counting run of world size {world} ended {status}: {rank_errors(root)}")
+    counts = read_counts(root, world)
     return counts, took
-
-
-def _errors(root: str) -> str:
-    out = []
-    for name in sorted(os.listdir(root)):
-        if name.startswith("error-r"):
-            with open(os.path.join(root, name)) as f:
-                out.append(f"{name}: {f.read()[-1500:]}")
-    return "\n".join(out)
 
 
 def scenarios(trials: int, seed: int, counts: dict[int, dict[int, dict[str, int]]], took: dict[int, float]) -> list[dict]:
@@ -203,7 +190,7 @@ def run_kill(trials: int, seed: int, *, workdir: str | None = None, timeout: flo
             status, _ = run_job(child, sc["world"], trial, plan, sc["delay"], timeout)
             report.trials += 1
             if status in ("hang", "child-error"):
-                report.add(status, f"{label} {pt}: {_errors(trial)}", path=label)
+                report.add(status, f"{label} {pt}: {rank_errors(trial)}", path=label)
                 shutil.rmtree(trial, ignore_errors=True)
                 continue
             for r in range(sc["world"]):  # a rank that outlived its killed peer and raised: which error?

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from .jobs import run_job
+from .jobs import rank_errors, read_counts, run_job
 from .kill_child import install, report_errors
 from .report import Report
 from .sandbox import Result, Sandbox, campaign
@@ -188,10 +188,9 @@ def save_steps(ckpt: str, steps: list[int]) -> None:
 
 
 def _failure(res: Result) -> str | None:
-    if res.outside:
-        return "outside-access"
-    if res.kind in ("hang", "crashed"):
-        return "hang" if res.kind == "hang" else "worker-crash"
+    abnormal = res.abnormal()
+    if abnormal is not None:
+        return abnormal
     if res.kind == "raised":
         return f"check-raised:{res.error_type}" if res.checkpoint_error else f"foreign-exception:{res.error_type}"
     return None
@@ -287,21 +286,9 @@ def _count(world: int, asynchronous: bool, root: str, timeout: float) -> tuple[d
     start = time.monotonic()
     status, _ = run_job(job, world, root, {"async": asynchronous, "point": None, "count": True}, None, timeout)
     if status != "finished":
-        raise RuntimeError(f"the counting run (world {world}, async {asynchronous}) ended {status}: {_errors(root)}")
-    counts = {}
-    for r in range(world):
-        with open(os.path.join(root, f"counts-r{r}.json")) as f:
-            counts[r] = json.load(f)
+        raise RuntimeError(f"the counting run (world {world}, async {asynchronous}) ended {status}: {rank_errors(root)}")
+    counts = read_counts(root, world)
     return counts, time.monotonic() - start
-
-
-def _errors(root: str) -> str:
-    out = []
-    for name in sorted(os.listdir(root)):
-        if name.startswith("error-r"):
-            with open(os.path.join(root, name)) as f:
-                out.append(f"{name}: {f.read()[-1500:]}")
-    return "\n".join(out)
 
 
 def _kill_trial(box: Sandbox, trial: str, sc: dict[str, Any], report: Report, timeout: float) -> None:
@@ -309,7 +296,7 @@ def _kill_trial(box: Sandbox, trial: str, sc: dict[str, Any], report: Report, ti
     label = f"kill/ws{sc['world']}/{'async' if sc['async'] else 'sync'}/" + ("random" if pt is None else f"{pt['fn']}:{pt['when']}")
     status, _ = run_job(job, sc["world"], trial, {"async": sc["async"], "point": pt}, sc["delay"], timeout)
     if status in ("hang", "child-error"):
-        report.add(status, f"{label} {pt}: {_errors(trial)}", path=label)
+        report.add(status, f"{label} {pt}: {rank_errors(trial)}", path=label)
         return
     for r in range(sc["world"]):  # a rank that outlived its killed peer and raised: what, and from where?
         path = os.path.join(trial, f"error-r{r}.txt")
