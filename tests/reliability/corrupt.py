@@ -131,13 +131,12 @@ def names(message: str, key: str) -> bool:
 
 def classify(path: str, res: Result, damage: Damage | None) -> str:
     """The outcome of read path ``path`` on a checkpoint with ``damage`` (None: undamaged)."""
-    if res.outside:
-        return "outside-access"
-    if res.kind in ("hang", "crashed"):
-        return "hang" if res.kind == "hang" else "worker-crash"
+    abnormal = res.abnormal()
+    if abnormal is not None:
+        return abnormal
     if res.kind == "raised":
         if not res.checkpoint_error:
-            return "memory-bound" if res.memory else f"foreign-exception:{res.error_type}"
+            return res.bounded_error()
         if damage is None:
             return "error-on-intact-checkpoint"
         if damage.file not in res.message:

@@ -328,16 +328,11 @@ def apply(mutation: tuple, doc: dict[str, Any], directory: str, outside: str) ->
 
 
 def outcome(res: Result, mutation: tuple, doc: dict[str, Any]) -> str:
-    if res.outside:
-        return "outside-access"
-    if res.kind == "hang":
-        return "hang"
-    if res.kind == "crashed":
-        return "worker-crash"
+    abnormal = res.abnormal()
+    if abnormal is not None:
+        return abnormal
     if res.kind == "raised":
-        if res.checkpoint_error:
-            return "detected"
-        return "memory-bound" if res.memory else f"foreign-exception:{res.error_type}"
+        return res.bounded_error()
     if res.value:  # the path returned values that differ from those saved
         return "accepted-declared" if declares(mutation, doc) else "silent-wrong-data"
     return "accepted"

@@ -378,16 +378,11 @@ def cli_outcome(code: int, stdout: str) -> str:
 def outcome(res: Result, ran: bool, *, cli: bool) -> str:
     if ran:
         return "pickle-ran"
-    if res.outside:
-        return "outside-access"
-    if res.kind == "hang":
-        return "hang"
-    if res.kind == "crashed":
-        return "worker-crash"
+    abnormal = res.abnormal()
+    if abnormal is not None:
+        return abnormal
     if res.kind == "raised":
-        if res.checkpoint_error:
-            return "detected"
-        return "memory-bound" if res.memory else f"foreign-exception:{res.error_type}"
+        return res.bounded_error()
     return cli_outcome(*res.value) if cli else "accepted"
 
 

@@ -79,6 +79,21 @@ class Result:
         that hung or whose worker died says nothing about what it checked, and is named so."""
         return {"raised": outcome, "hang": "hang", "crashed": "worker-crash"}[self.kind]
 
+    def abnormal(self) -> str | None:
+        """The outcome every campaign gives a call that touched files outside its roots
+        (``outside-access``), hung (``hang``) or whose worker died (``worker-crash``); None for a
+        call that returned or raised, which each campaign judges by what it checks."""
+        if self.outside:
+            return "outside-access"
+        return {"hang": "hang", "crashed": "worker-crash"}.get(self.kind)
+
+    def bounded_error(self) -> str:
+        """The outcome of a call that raised: ``detected`` for a shardsafe ``CheckpointError``,
+        ``memory-bound`` where the memory bound stopped it, else ``foreign-exception:<type>``."""
+        if self.checkpoint_error:
+            return "detected"
+        return "memory-bound" if self.memory else f"foreign-exception:{self.error_type}"
+
 
 class CallTimeout(BaseException):
     """Raised in the worker when a call runs past its time."""
