@@ -913,3 +913,38 @@ def test_importing_shardsafe_does_not_import_dtensor():
     out = run_process([sys.executable, "-c", code % free_port()], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["(2,", "3)", "1"]
+
+
+def test_convert_batches_small_tensors_between_large_ones_bit_exact(tmp_path):
+    """Hundreds of tiny tensors around large ones (the writer copies chunks under 64 KiB into
+    1 MiB batches and queues large ones as they are): every tensor comes back bit-exact through
+    shardsafe and through the official ``safetensors`` reader, and ``verify`` passes."""
+    from safetensors import safe_open
+
+    from shardsafe.convert import convert_hf, convert_torch
+    from shardsafe.verify import verify
+
+    g = torch.Generator().manual_seed(5)
+    state: dict[str, torch.Tensor] = {}
+    for i in range(600):
+        state[f"tiny.{i}"] = torch.randn(3 + i % 5, generator=g)  # same shapes repeat: tensors share chunk tables
+        if i % 200 == 7:
+            state[f"big.{i}"] = torch.randn(40_000, generator=g)  # 160 KB, between batches of tiny ones
+        if i % 97 == 0:
+            state[f"mid.{i}"] = torch.randint(0, 100, (4096, 4), generator=g, dtype=torch.int32)  # 64 KiB exactly
+    torch.save(state, tmp_path / "sd.pt")
+    safetensors.torch.save_file(state, tmp_path / "m.safetensors")
+    for fn, src in ((convert_torch, tmp_path / "sd.pt"), (convert_hf, tmp_path / "m.safetensors")):
+        dst = tmp_path / fn.__name__
+        assert fn(src, dst)["tensors"] == len(state)
+        got = Checkpointer().unshard(dst)
+        assert got.keys() == state.keys() and all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in state.items())
+        (data_file,) = [p for p in dst.iterdir() if p.suffix == ".safetensors"]
+        with safe_open(data_file, framework="pt") as f:
+            stored = {k: f.get_tensor(k) for k in f.keys() if k in state}
+        assert stored.keys() == state.keys() and all(torch.equal(stored[k], v) for k, v in state.items())
+        report = verify(dst, collect_all=True)
+        assert report.errors == [] and report.chunks == len(state), report
+        meta = json.loads((dst / "metadata.json").read_text())
+        assert meta["tensors"]["tiny.0"]["table"] == meta["tensors"]["tiny.5"]["table"]
+        assert meta["tensors"]["tiny.0"]["table"]["length"] == [[[3, 0, 1]]]

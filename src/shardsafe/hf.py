@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ._args import check_arg, check_bool
+from ._gc import paused_gc
 from ._progress import rank_progress, targets_done
 from .adapters import describe_state
 from .adapters.modules import model_state
@@ -81,6 +82,11 @@ def open_hf_model(location: Location, comm: Comm | None = None) -> HFModel:
         return {f: _read_header(storage, f, where) for f in files}, weight_map
 
     headers, weight_map = comm.broadcast(read) if comm is not None else read()
+    with paused_gc():  # a few objects per tensor, none cyclic; a header may list 300k tensors
+        return _described(storage, where, headers, weight_map)
+
+
+def _described(storage: Storage, where: str, headers: dict[str, bytes], weight_map: dict[str, str] | None) -> HFModel:
     tensors: dict[str, TensorStorageMetadata] = {}
     metadata: dict[str, str] = {}
     ranges: list[tuple[int, int, str]] = []

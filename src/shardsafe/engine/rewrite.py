@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._gc import paused_gc
 from ..errors import CorruptCheckpointError, StorageError
 from ..format.checksum import DEFAULT_ALGORITHM, digest_blocks, file_digest
 from ..format.chunk_table import ChunkTable
@@ -34,6 +35,8 @@ __all__ = ["Chunk", "write_checkpoint"]
 log = logging.getLogger(__name__)
 
 Shape = tuple[int, ...]
+_SMALL_CHUNK = 64 << 10  # chunks below this are copied into a batch, not queued one by one
+_BATCH = 1 << 20  # a batch of small chunks is written once it holds this many bytes
 
 
 class Chunk(NamedTuple):
@@ -56,6 +59,7 @@ class _Row(NamedTuple):
     flat: tuple[int, int] | None
 
 
+@paused_gc()  # an object or more per chunk, none of them cyclic: no collector passes over a growing heap
 def write_checkpoint(
     out: Storage,
     files: list[list[Chunk]],
@@ -95,7 +99,7 @@ def write_checkpoint(
             written.append(name)
             digests: list[int] = []
             with out.write_file(name) as raw_out, WriteBehind(raw_out, depth=1) as w:  # one chunk written while the next loads
-                w.write(memoryview(layout.header))
+                small = bytearray(layout.header)  # small chunks are copied together, written a batch at a time
                 for c, (begin, end) in zip(chunks, layout.byte_ranges):
                     t = load(c).contiguous()
                     data = byte_view(t)
@@ -104,22 +108,36 @@ def write_checkpoint(
                             f"{where}: tensor {c.key!r}, chunk at {list(c.offsets)}: read {data.nbytes} bytes, its box needs {end - begin}"
                         )
                     digest_blocks(data, cblock, digests)
-                    w.write(data)
+                    if data.nbytes < _SMALL_CHUNK:
+                        small += data
+                        if len(small) >= _BATCH:
+                            w.write(memoryview(small))  # the writing thread keeps it alive; the next batch is a new one
+                            small = bytearray()
+                    else:
+                        if small:
+                            w.write(memoryview(small))
+                            small = bytearray()
+                        w.write(data)
                     del t, data
-                    rows[c.key].append(_Row(number, c.offsets, c.lengths, c.flat))
+                    rows[c.key].append(_Row(number, tuple(c.offsets), tuple(c.lengths), None if c.flat is None else tuple(c.flat)))
                     done += end - begin
                     report(done)
-                sums = struct.pack(f"<{len(digests)}Q", *digests)
-                w.write(memoryview(sums))
+                small += struct.pack(f"<{len(digests)}Q", *digests)
+                sums = small[len(small) - 8 * len(digests):]
+                w.write(memoryview(small))
             table.append(
                 DataFile(name=name, size=layout.size, header_bytes=len(layout.header), header=file_digest(layout.header), sums=file_digest(sums))
             )
         stored = {}
+        same: dict[tuple, tuple[ChunkTable, dict[str, Any]]] = {}  # tensors of one layout share their table (as a load does)
         for key, (dtype, shape) in tensors.items():
-            whole = len(rows[key]) == 1 and rows[key][0].flat is None and tuple(rows[key][0].lengths) == tuple(shape)
-            stored[key] = TensorStorageMetadata.from_table(
-                shape, dtype_name(dtype, key=key), not whole, ChunkTable.from_chunks(rows[key], len(shape))
-            )
+            mine = tuple(rows.pop(key))
+            whole = len(mine) == 1 and mine[0].flat is None and tuple(mine[0].lengths) == tuple(shape)
+            if (mine, len(shape)) not in same:
+                chunk_table = ChunkTable.from_chunks(mine, len(shape))
+                same[mine, len(shape)] = (chunk_table, chunk_table.to_json())
+            chunk_table, doc = same[mine, len(shape)]
+            stored[key] = TensorStorageMetadata.from_table(shape, dtype_name(dtype, key=key), not whole, chunk_table, table_json=doc)
         meta = StorageMetadata(
             checksum=ChecksumConfig(algorithm=DEFAULT_ALGORITHM, block_bytes=cblock),
             file_table=table,
