@@ -174,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=None, help="where logs and checkpoints go (default: a temporary directory)")
     parser.add_argument("--failures", action="store_true", help="print each failure's error")
     parser.add_argument("--all", action="store_true", help=f"every test_*.py under {TEST_DIR}, models/ included")
-    parser.add_argument("files", nargs="*", help=f"files under {TEST_DIR} (default: {', '.join(DEFAULT_FILES)})")
+    parser.add_argument(
+        "files", nargs="*",
+        help=f"files under {TEST_DIR}, or pytest node ids in them (test_optimizer.py::TestFP32Optimizer), one launch each: "
+        f"fresh ranks per launch keep a long file's leaked threads and groups from piling up (default: {', '.join(DEFAULT_FILES)})",
+    )
     args = parser.parse_args(argv)
 
     src = Path(args.megatron_src).resolve() if args.megatron_src else None
