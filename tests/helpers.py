@@ -245,11 +245,15 @@ def run_process(args: list[str], *, timeout: float = 120.0, check: bool = False,
 
 CTX = mp.get_context("forkserver")
 # shardsafe imports its parts on first use; torch.distributed.tensor, fsdp and _dynamo (which FSDP2
-# and DTensor ops import) cost about 1.5 s of CPU in every rank that would import them itself
-CTX.set_forkserver_preload([
+# and DTensor ops import) cost about 1.5 s of CPU in every rank that would import them itself, and
+# lightning 1.9 s in each rank of the Lightning tests (the forkserver skips a module that is not
+# installed). Not megatron.core: the alias tests import it after shardsafe.megatron.install().
+# A process has one forkserver and one preload list: every test module uses this context.
+PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo",
-    "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify",
-])
+    "lightning", "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify",
+]
+CTX.set_forkserver_preload(PRELOAD)
 
 
 _PORTS = (20000, 32000)  # below the kernel's ephemeral range (32768-60999 here), which client sockets take ports from

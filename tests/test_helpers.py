@@ -178,3 +178,17 @@ def test_run_process_returns_what_subprocess_run_does_and_stops_a_hung_process()
     with pytest.raises(subprocess.TimeoutExpired) as info:
         run_process([sys.executable, "-c", "import time; time.sleep(3600)"], timeout=1.0, capture_output=True, text=True)
     assert info.value.stderr.endswith("(hung: every thread slept without using CPU for 1.0 s)")
+
+
+def test_every_test_module_shares_one_forkserver_preload_list():
+    """A process has one forkserver: a module that sets its own preload list replaces the one
+    every rank of the run starts from (the reliability sandbox did, and each rank of the test run
+    then imported torch.distributed.tensor, fsdp and _dynamo itself: about 1.5 s of CPU each)."""
+    import multiprocessing.forkserver as forkserver
+
+    from . import helpers
+    from .reliability import sandbox  # imported as the test run imports it
+
+    assert forkserver._forkserver._preload_modules == helpers.PRELOAD
+    assert sandbox.CONTEXT is helpers.CTX
+    assert {"torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo"} <= set(helpers.PRELOAD)

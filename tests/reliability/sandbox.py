@@ -23,7 +23,6 @@ A worker killed by a signal reports ``crashed``; the next call starts a new one.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -35,14 +34,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..helpers import Watchdog
+from ..helpers import CTX, Watchdog
 from .report import Report
 
 __all__ = ["CONTEXT", "Result", "Sandbox"]
 
-# forkserver children start in milliseconds with torch already imported (the same preload as tests/helpers.py)
-CONTEXT = mp.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardsafe.api", "shardsafe.manager", "shardsafe.hf", "shardsafe.verify"])  # shardsafe imports its parts on first use
+# forkserver children start in milliseconds with torch already imported: tests.helpers' context and
+# preload list (a process has one forkserver: a second preload list here would replace that one for
+# every rank of the test run, and each rank then imported torch.distributed.tensor, fsdp and _dynamo itself)
+CONTEXT = CTX
 
 _PATH_EVENTS = {
     "open": (0,),
