@@ -237,7 +237,7 @@ def test_a_damaged_archive_is_corrupt_not_unsafe():
     raw = bytearray(_saved({"t": torch.arange(1000, dtype=torch.int32)}))
     start = raw.index(b"archive/data/0") + len(b"archive/data/0")
     raw[start + 200] ^= 0xFF  # inside the tensor's bytes: the record's CRC-32 no longer matches
-    with pytest.raises(CorruptCheckpointError, match=r"t\.pt: record data/0 cannot be read: Bad CRC-32"):
+    with pytest.raises(CorruptCheckpointError, match=r"t\.pt: record data/0 cannot be read: BadZipFile: Bad CRC-32"):
         safe_pickle.load_archive(bytes(raw), where="t.pt")
     with pytest.raises(CorruptCheckpointError, match=r"t\.pt: not a readable torch\.save archive"):
         safe_pickle.load_archive(b"PK\x03\x04 truncated", where="t.pt")
@@ -250,3 +250,23 @@ def test_a_bare_pickle_reaches_only_the_allowlist_it_is_given():
         safe_pickle.load_pickle(raw, where="meta", allowed=allowed, what="a test file")
     got = safe_pickle.load_pickle(raw, where="meta", allowed={**allowed, "argparse.Namespace": safe_pickle.VALUES["argparse.Namespace"]}, what="a test file")
     assert got == {"size": torch.Size([2, 3]), "ns": argparse.Namespace(a=1)}
+
+
+def test_damage_inside_an_archive_record_is_a_corrupt_checkpoint_error_naming_the_record():
+    """A byte flipped in ``data.pkl`` (its CRC-32 no longer matches) or in the UTF-8 name of its
+    local header: zipfile raises BadZipFile or UnicodeDecodeError from the read, outside the
+    hierarchy before (the importer campaign found both through DCP's object items)."""
+    raw = _saved({"epoch": 4, "names": ["a", "b"], "lr": 0.5})
+    name = next(n for n in zipfile.ZipFile(io.BytesIO(raw)).namelist() if n.endswith("/data.pkl")).encode()
+    local = raw.index(name)  # the local header's copy of the name comes first (the directory's is at the end)
+    assert zipfile.ZipFile(io.BytesIO(raw)).getinfo(name.decode()).flag_bits & 0x800  # names are flagged UTF-8
+
+    body = raw.index(b"epoch")  # inside data.pkl's bytes (stored, not compressed)
+    flipped = raw[:body] + bytes([raw[body] ^ 0x20]) + raw[body + 1:]
+    with pytest.raises(CorruptCheckpointError, match=rf"^item: record {re.escape(name.decode())} cannot be read: BadZipFile: Bad CRC-32"):
+        safe_pickle.load_archive(flipped, where="item")
+
+    bad_name = raw[:local + 2] + b"\xf0" + raw[local + 3:]
+    with pytest.raises(CorruptCheckpointError, match=rf"^item: record {re.escape(name.decode())} cannot be read: UnicodeDecodeError: "):
+        safe_pickle.load_archive(bad_name, where="item")
+    assert safe_pickle.load_archive(raw, where="item") == {"epoch": 4, "names": ["a", "b"], "lr": 0.5}

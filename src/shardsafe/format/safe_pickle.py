@@ -34,6 +34,7 @@ import io
 import pickle
 import pickletools
 import zipfile
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
@@ -305,15 +306,15 @@ def load_archive(raw: Source, *, where: str, allowed: Allowlist = VALUES, what: 
     try:
         archive = zipfile.ZipFile(_file(raw))
         names = archive.namelist()
-    except (zipfile.BadZipFile, ValueError, EOFError) as e:
-        raise CorruptCheckpointError(f"{where}: not a readable torch.save archive: {e}") from None
+    except _ARCHIVE_ERRORS as e:
+        raise CorruptCheckpointError(f"{where}: not a readable torch.save archive: {type(e).__name__}: {e}") from None
     data_pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(data_pkl) != 1:
         raise CorruptCheckpointError(f"{where}: a torch.save archive holds one <name>/data.pkl; found {data_pkl or 'none'}")
     prefix = data_pkl[0][: -len("data.pkl")]
     order = f"{prefix}byteorder"
-    if order in names and archive.read(order).strip() not in (b"little", b""):
-        raise CorruptCheckpointError(f"{where}: written on a big-endian machine ({archive.read(order)!r}); shardsafe reads little-endian archives")
+    if order in names and (found := _record(archive, order, where).strip()) not in (b"little", b""):
+        raise CorruptCheckpointError(f"{where}: written on a big-endian machine ({found!r}); shardsafe reads little-endian archives")
     storages: dict[str, Any] = {}
 
     def storage(key: str, dtype: torch.dtype, numel: int) -> Any:
@@ -330,14 +331,28 @@ def load_archive(raw: Source, *, where: str, allowed: Allowlist = VALUES, what: 
             try:
                 with archive.open(info) as f:  # checks the record's CRC-32 as it reads
                     got = f.readinto(data)
-            except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
-                raise CorruptCheckpointError(f"{where}: record data/{key} cannot be read: {e}") from None
+            except _ARCHIVE_ERRORS as e:
+                raise CorruptCheckpointError(f"{where}: record data/{key} cannot be read: {type(e).__name__}: {e}") from None
             if got != len(data):
                 raise CorruptCheckpointError(f"{where}: record data/{key} ends after {got} of {len(data)} bytes")
             storages[key] = torch.frombuffer(data, dtype=torch.uint8).untyped_storage() if data else torch.UntypedStorage(0)
         return storages[key]
 
-    return _load(_Unpickler(io.BytesIO(archive.read(data_pkl[0])), where=where, allowed=allowed, what=what, storage=storage), where)
+    return _load(_Unpickler(io.BytesIO(_record(archive, data_pkl[0], where)), where=where, allowed=allowed, what=what, storage=storage), where)
+
+
+# what zipfile raises on a damaged archive: a bad CRC-32 or header (BadZipFile), a name that is not
+# UTF-8 (UnicodeDecodeError, a ValueError), a compression method it lacks (NotImplementedError),
+# a damaged deflate stream (zlib.error), a record past the end (EOFError, OSError)
+_ARCHIVE_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError, NotImplementedError, zlib.error)
+
+
+def _record(archive: zipfile.ZipFile, name: str, where: str) -> bytes:
+    """The bytes of record ``name``, its CRC-32 checked; damage raises ``CorruptCheckpointError``."""
+    try:
+        return archive.read(name)
+    except _ARCHIVE_ERRORS as e:
+        raise CorruptCheckpointError(f"{where}: record {name} cannot be read: {type(e).__name__}: {e}") from None
 
 
 def load_value_file(raw: Source, *, where: str, allow_pickle: bool, opt_in: str) -> Any:
