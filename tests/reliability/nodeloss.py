@@ -118,18 +118,21 @@ def _job(rank: int, world: int, port: int, work: str, plan: dict[str, Any]) -> N
     dist.destroy_process_group()
 
 
-def _run(work: str, plan: dict[str, Any], delay: float | None) -> str:
+def _run(work: str, plan: dict[str, Any], delay: float | None, spans: list[float] | None = None) -> str:
     """Run one job to its end, or SIGKILL every rank after ``delay`` seconds: "finished",
-    "killed", "hang" or "child-error" (why: in ``work``/``why-<phase>.txt``)."""
-    out = _run_job(work, plan, delay)
+    "killed", "hang" or "child-error" (why: in ``work``/``why-<phase>.txt``). A job that
+    finished appends to ``spans`` how long it ran once its ranks were ready."""
+    out, span = _run_job(work, plan, delay)
     if out.startswith("child-error"):
         with open(os.path.join(work, f"why-{plan['phase']}.txt"), "w") as f:
             f.write(out)
         return "child-error"
+    if out == "finished" and spans is not None:
+        spans.append(span)
     return out
 
 
-def _run_job(work: str, plan: dict[str, Any], delay: float | None) -> str:
+def _run_job(work: str, plan: dict[str, Any], delay: float | None) -> tuple[str, float]:
     from ..helpers import free_port
 
     world = len(plan["nodes"])
@@ -142,19 +145,21 @@ def _run_job(work: str, plan: dict[str, Any], delay: float | None) -> str:
         while not all(os.path.exists(os.path.join(work, f"ready-{plan['phase']}-r{r}")) for r in range(world)):
             if any(p.exitcode is not None for p in procs) or time.monotonic() > deadline:
                 late = time.monotonic() > deadline
-                return f"child-error: {'not ready after the timeout' if late else 'a rank exited before it was ready'} (exit codes {[p.exitcode for p in procs]})"
+                return f"child-error: {'not ready after the timeout' if late else 'a rank exited before it was ready'} (exit codes {[p.exitcode for p in procs]})", 0.0
             time.sleep(0.005)
-        end = time.monotonic() + (delay if delay is not None else TIMEOUT)
+        ready = time.monotonic()
+        end = ready + (delay if delay is not None else TIMEOUT)
         while any(p.exitcode is None for p in procs) and time.monotonic() < end:
             time.sleep(0.005)
+        span = time.monotonic() - ready
         if delay is None and any(p.exitcode is None for p in procs):
-            return "hang"
+            return "hang", span
     finally:
         kill_all(procs)
     codes = [p.exitcode for p in procs]
     if -signal.SIGKILL in codes:
-        return "killed"
-    return f"child-error: exit codes {codes}" if any(codes) else "finished"
+        return "killed", span
+    return (f"child-error: exit codes {codes}", span) if any(codes) else ("finished", span)
 
 
 def _safe_before(work: str, nodes: int) -> int | None:
@@ -210,15 +215,19 @@ def _durable_before(work: str) -> list[int]:
     return sorted(int(n[5:]) for n in os.listdir(root) if os.path.exists(os.path.join(root, n, "metadata.json")))
 
 
-def _trial(work: str, rng: random.Random, notes: Any) -> tuple[str, str, str]:
+def _trial(work: str, rng: random.Random, notes: Any, spans: list[float]) -> tuple[str, str, str]:
     n_nodes = rng.choice([2, 3, 4])
     per = rng.choice([1, 2]) if n_nodes == 2 else 1
     replicas = 2 if n_nodes >= 3 and rng.random() < 0.5 else 1
     lose = 2 if n_nodes >= 3 and rng.random() < 0.4 else 1
     nodes = [n for n in range(n_nodes) for _ in range(per)]
-    delay = rng.uniform(0.0, 1.5) if rng.random() < 0.85 else None  # the job saves its 6 steps in about 1-2 s once ready
+    # a kill at a random moment of the job's run (before the first save ... after the last): the
+    # window is as long as the jobs that finished took (1.5 s until one has), so that a machine
+    # that runs them faster or slower still kills most jobs mid-run, not after their end
+    kill, at = rng.random() < 0.85, rng.random()
+    delay = at * (sorted(spans)[len(spans) // 2] if spans else 1.5) if kill else None
     path = f"{n_nodes}x{per} r{replicas} lose{lose}"
-    first = _run(work, {"phase": "train", "nodes": nodes, "replicas": replicas}, delay)
+    first = _run(work, {"phase": "train", "nodes": nodes, "replicas": replicas}, delay, spans)
     notes[f"job:{first}"] += 1
     if first in ("hang", "child-error"):
         return first, path, _errors(work, "train")
@@ -278,11 +287,12 @@ def _errors(work: str, phase: str) -> str:
 
 def run_nodeloss(trials: int, seed: int, *, workdir: str | None = None) -> Report:
     rng = random.Random(seed)
+    spans: list[float] = []  # how long the jobs that were not killed ran, once ready
     with campaign("nodeloss", workdir) as (report, root, _box):
         for i in range(trials):
             work = os.path.join(root, f"t{i}")
             os.makedirs(work)
-            outcome, path, example = _trial(work, rng, report.notes)
+            outcome, path, example = _trial(work, rng, report.notes, spans)
             report.trials += 1
             report.add(outcome, example, path=path)
             report.notes[f"lose{path.split('lose')[1]}"] += 1
