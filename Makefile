@@ -33,13 +33,19 @@ demo-reshard: $(RUNTIME_STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -n 2 --dist loadgroup tests
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not bench_smoke" tests
 
-# kill -9, corruption, metadata fuzzing, racing jobs, the step manager, hostile foreign checkpoints and
-# processes that exit right after a load, dozens to hundreds of trials each;
-# `make test` runs a fast seeded subset of the same campaigns
+# every benchmark script in its quick mode, end to end, its output parsed (part of `make reliability`)
+.PHONY: test-bench
+test-bench: $(STAMP)
+	$(PY) -m pytest -n 2 -m bench_smoke tests
+
+# kill -9, corruption, metadata fuzzing, racing jobs, the step manager, hostile foreign checkpoints,
+# node losses and processes that exit right after a load, dozens to hundreds of trials each, then the
+# benchmark smoke runs (make test-bench); `make test` runs a fast seeded subset of the same campaigns
 reliability: $(STAMP)
 	$(PY) -m tests.reliability --full
+	$(PY) -m pytest -n 2 -m bench_smoke tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -10,7 +10,12 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from .helpers import run_process
+
+# a benchmark script run end to end in its quick mode (its own ranks, fresh imports): make test-bench
+pytestmark = pytest.mark.bench_smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = [(op, m) for op in ("save", "load", "reshard") for m in ("plugin", "dcp", "shardsafe")] + [

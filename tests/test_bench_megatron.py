@@ -19,6 +19,9 @@ from .helpers import run_process
 
 pytest.importorskip("megatron.core.dist_checkpointing")
 
+# a benchmark script run end to end in its quick mode (its own ranks, fresh imports): make test-bench
+pytestmark = pytest.mark.bench_smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("shardsafe", "megatron")  # the fully parallel wrappers double the test's time; `make bench-megatron` runs them
 TARGET = re.compile(r"(save>=1\.3x|load>=2x|reshard>=2x):(ok|MISS)")

@@ -7,7 +7,12 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from .helpers import run_process
+
+# a benchmark script run end to end in its quick mode (its own ranks, fresh imports): make test-bench
+pytestmark = pytest.mark.bench_smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = (

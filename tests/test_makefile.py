@@ -43,3 +43,10 @@ def test_make_test_installs_the_test_and_dev_extras_on_top(tmp_path):
     assert [c.split("install -q ", 1)[1] for c in installs] == ["-c constraints.txt -e .", '-c constraints.txt -e ".[test,dev]"']
     assert cmds[-1].startswith(f"{tmp_path / 'venv'}/bin/python -m pytest ")
     assert (ROOT / ".ci" / "run").read_text().splitlines()[-1] == "make test"
+
+
+def test_the_benchmark_smoke_runs_are_in_make_reliability_not_make_test(tmp_path):
+    py = f"{tmp_path / 'venv'}/bin/python"
+    assert _commands("test", tmp_path)[-1] == f'{py} -m pytest -n 2 --dist loadgroup -m "not bench_smoke" tests'
+    assert _commands("reliability", tmp_path)[-2:] == [f"{py} -m tests.reliability --full", f"{py} -m pytest -n 2 -m bench_smoke tests"]
+    assert _commands("test-bench", tmp_path)[-1] == f"{py} -m pytest -n 2 -m bench_smoke tests"
