@@ -20,6 +20,7 @@ from shardsafe import CheckpointManager, verify
 from shardsafe.errors import CheckpointError
 from shardsafe.memtier import (
     SAFE_FILENAME,
+    SPARE_DIRNAME,
     Transfer,
     default_memory_dir,
     fetch_plan,
@@ -81,10 +82,12 @@ def _train(rank, ws, tmp, root, nodes, steps, persist_every):
         mgr.wait_until_finished()
         durable = mgr.all_steps()
     path = os.path.join(tmp, f"node{nodes[rank]}")
-    held = sorted(os.listdir(path))
+    held = sorted(n for n in os.listdir(path) if n != SPARE_DIRNAME)
     with open(os.path.join(path, held[-1], SAFE_FILENAME)) as f:
         record = json.load(f)
-    return {"durable": durable, "held": held, "record": record}
+    spares = sorted(os.path.getsize(os.path.join(path, SPARE_DIRNAME, n)) for n in os.listdir(os.path.join(path, SPARE_DIRNAME)))
+    kept = sorted(os.path.getsize(os.path.join(path, held[-1], n)) for n in os.listdir(os.path.join(path, held[-1])) if n.endswith(".safetensors"))
+    return {"durable": durable, "held": held, "record": record, "spares": spares, "kept": kept}
 
 
 def _restore(rank, ws, tmp, root, nodes):
@@ -120,6 +123,8 @@ def test_four_nodes_lose_one_restore_on_two_from_peers_memory(tmp_path) -> None:
     for o in out:
         assert o["durable"] == [2]
         assert o["held"] == ["step_00000003"]
+        # the dropped step's files are kept to write the next step into: as many, as large
+        assert len(o["kept"]) == 2 and o["spares"] == o["kept"]
         assert o["record"]["step"] == 3 and o["record"]["safe"] is True
         assert sorted(map(tuple, o["record"]["holders"].values())) == [(0, 1), (0, 3), (1, 2), (2, 3)]
     _lose(tmp, 3)
@@ -234,7 +239,7 @@ def _back_run(rank, ws, tmp, root):
     with _mgr(tmp, root, 0, persist_every=2) as mgr:
         step = mgr.restore(2, model=model)
         _check_step(model.fulls(), 2)
-        held = sorted(os.listdir(os.path.join(tmp, "node0")))
+        held = sorted(n for n in os.listdir(os.path.join(tmp, "node0")) if n != SPARE_DIRNAME)
         return step, mgr.last_restore.tier, mgr.last_restore.why, held
 
 
@@ -342,7 +347,7 @@ def test_memory_dir_true_is_a_directory_under_dev_shm_named_after_root(tmp_path)
         model = torch.nn.Linear(3, 2)
         with CheckpointManager(root, memory_dir=True) as mgr:
             assert mgr.save(7, model)
-        assert sorted(os.listdir(want)) == ["step_00000007"]
+        assert sorted(os.listdir(want)) == [SPARE_DIRNAME, "step_00000007"]
         with CheckpointManager(root, memory_dir=True) as mgr:
             assert mgr.restore(model=model) == 7 and mgr.last_restore.tier == "memory"
     finally:
