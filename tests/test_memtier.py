@@ -136,6 +136,53 @@ def test_four_nodes_lose_one_restore_on_two_from_peers_memory(tmp_path) -> None:
         assert g["peer"] > 0 and g["local"] > 0
 
 
+def _train_failing_copy(rank, ws, tmp, root):
+    """3 nodes of one rank save steps 1-3; at step 3 the copy of rank 1's file on node 2 fails
+    after it was received, before it is committed. Returns what each node holds afterwards."""
+    from shardsafe import memtier
+
+    def fail(path: str) -> None:
+        if rank == 2 and "step_00000003" in path and "shard-r00001" in path:
+            raise OSError(28, "No space left on device (injected)")
+
+    memtier._FAIL_FINISH = fail
+    model = Sharded(ws)
+    error = None
+    with _mgr(tmp, root, rank, persist_every=100) as mgr:
+        for s in (1, 2, 3):
+            model.set_step(s)
+            assert mgr.save(s, model)
+        try:
+            mgr.wait_until_finished()
+        except CheckpointError as e:
+            error = str(e)
+    path = os.path.join(tmp, f"node{rank}")
+    held = {d: sorted(os.listdir(os.path.join(path, d))) for d in os.listdir(path) if d != SPARE_DIRNAME}
+    with open(os.path.join(path, "step_00000002", SAFE_FILENAME)) as f:
+        record = json.load(f)
+    return {"error": error, "held": held, "record2": record}
+
+
+def test_a_copy_failing_mid_step_leaves_the_previous_safe_step_restorable(tmp_path) -> None:
+    """A copy of step 3 that fails on one node fails step 3's save on every rank (no rank waits
+    for the others), marks step 3 safe on no node, keeps step 2 (safe) on every node, and
+    leaves no part file. Node 1 lost: its file of step 3 exists nowhere else, so the survivors
+    restore step 2 from memory, bit-exact."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    out = run_ranks(3, _train_failing_copy, tmp, root)
+    for o in out:
+        assert o["error"] is not None and "injected" in o["error"]
+        assert sorted(o["held"]) == ["step_00000002", "step_00000003"]
+        assert SAFE_FILENAME in o["held"]["step_00000002"] and SAFE_FILENAME not in o["held"]["step_00000003"]
+        assert not [f for files in o["held"].values() for f in files if f.endswith(".part")]
+        assert o["record2"]["safe"] is True and o["record2"]["step"] == 2
+    assert not [f for f in out[2]["held"]["step_00000003"] if "shard-r00001" in f]  # the failed copy is gone
+    _lose(tmp, 1)
+    got = run_ranks(2, _restore, tmp, root, [0, 2])
+    for g in got:
+        assert (g["step"], g["tier"]) == (2, "memory"), g
+
+
 def test_two_nodes_of_two_ranks_lose_one_restore_on_three_ranks(tmp_path) -> None:
     """2 nodes of 2 ranks: node 1 lost, node 0 alone holds every file (its own and node 1's
     copies); a job of 3 ranks, two on node 0 and the first on a new, empty node 3, restores
@@ -380,3 +427,39 @@ def test_bad_arguments(tmp_path) -> None:
     with pytest.raises(TypeError) as e:
         CheckpointManager(root, memory_dir=str(tmp_path / "m"), node=1.5)
     assert str(e.value) == "CheckpointManager: argument 'node' must be an int, a str or None, got float 1.5"
+
+
+def test_a_spare_larger_or_smaller_than_the_new_file_is_overwritten_and_cut_to_length(tmp_path) -> None:
+    """Tier 0's write and a received copy go into the pool's files: the result holds exactly the
+    new bytes (a spare longer than them is cut, a shorter one grows), and the pool empties."""
+    from shardsafe.memtier import _Receiving
+    from shardsafe.storage import open_storage
+
+    pool = tmp_path / SPARE_DIRNAME
+    pool.mkdir()
+    (pool / "a").write_bytes(b"\xff" * 5000)
+    (pool / "b").write_bytes(b"\xee" * 10)
+
+    def claim(path: str) -> bool:
+        names = sorted(os.listdir(pool))
+        if not names:
+            return False
+        os.rename(pool / names[0], path)
+        return True
+
+    storage = open_storage(str(tmp_path / "step"))
+    storage.reuse = claim
+    new = bytes(range(256)) * 7
+    with storage.write_file("x.safetensors") as w:
+        w.write(memoryview(new[:1000]))
+        w.write(memoryview(new[1000:]))
+    assert (tmp_path / "step" / "x.safetensors").read_bytes() == new  # 1792 bytes from a 5000-byte spare
+    r = _Receiving(str(tmp_path / "step" / "y.safetensors"), 300, claim)  # from the 10-byte spare
+    r.tensor.copy_(torch.arange(300, dtype=torch.int32).to(torch.uint8))
+    r.finish()
+    assert (tmp_path / "step" / "y.safetensors").read_bytes() == bytes(i % 256 for i in range(300))
+    assert os.listdir(pool) == []
+    r = _Receiving(str(tmp_path / "step" / "z.safetensors"), 64, claim)  # the pool is empty: a new file
+    r.tensor.fill_(7)
+    r.finish()
+    assert (tmp_path / "step" / "z.safetensors").read_bytes() == b"\x07" * 64

@@ -20,6 +20,7 @@ thread on the background group, after the step's tier-0 commit, on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 SAFE_FILENAME = "memtier.json"
 _PART = ".part"  # a copy being received; renamed to its name once whole
+_FAIL_FINISH: Callable[[str], None] | None = None  # tests: called before a received copy is renamed to its name
 SPARE_DIRNAME = ".spare"  # a dropped step's data files, kept to write the next step's files into
 
 
@@ -232,10 +234,26 @@ class _Receiving:
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8) if self.mm is not None else torch.empty(0, dtype=torch.uint8)
 
     def finish(self) -> None:
-        del self.tensor
-        if self.mm is not None:
-            self.mm.close()
+        self._close()
+        if _FAIL_FINISH is not None:
+            _FAIL_FINISH(self.path)
         os.replace(self.part, self.path)
+
+    def abandon(self) -> None:
+        """A copy that will not be committed: its ``.part`` file goes."""
+        self._close()
+        try:
+            os.unlink(self.part)
+        except FileNotFoundError:
+            pass
+
+    def _close(self) -> None:
+        self.tensor = None
+        if self.mm is not None and not self.mm.closed:
+            try:
+                self.mm.close()
+            except BufferError:  # still held by a failed transfer: left to the collector
+                pass
 
 
 def _map_for_writing(fd: int, size: int, *, allocate: bool) -> mmap.mmap:
@@ -386,6 +404,8 @@ class MemoryTier:
         side.raise_failures(files)
         plan = replication_plan(self.nodes, files, self.targets)
         times.append(time.perf_counter())
+        # every copy received whole and renamed on every node (a failure anywhere fails every
+        # rank here) before any node records the step safe
         self._run_transfers(side, plan, path, into_dir=True)
         times.append(time.perf_counter())
         holders: dict[str, list[int]] = {}
@@ -432,22 +452,44 @@ class MemoryTier:
                         receiving.append((t.file, buf))
                         recvs.append((t.src, tag, buf))
 
-        comm.check(post)  # a file that cannot be opened fails every rank before any transfer
         try:
+            comm.check(post)  # a file that cannot be opened fails every rank before any transfer
             comm.exchange(sends, recvs)
+        except BaseException:
+            sends.clear()
+            recvs.clear()
+            for r in receiving:
+                if isinstance(r, _Receiving):
+                    r.abandon()
+            raise
         finally:
             sends.clear()  # the tensors over the mappings go before the mappings
             recvs.clear()
             for mm in maps:
                 if mm is not None:
-                    mm.close()
-        for r in receiving:
-            if isinstance(r, _Receiving):
-                got += r.mm.size() if r.mm is not None else 0
-                r.finish()
-            else:
-                held.add(r[0], r[1].numpy())  # type: ignore[union-attr]
-                got += r[1].numel()
+                    with contextlib.suppress(BufferError):  # still held by a failed transfer: left to the collector
+                        mm.close()
+
+        def finish() -> int:
+            n = 0
+            for r in receiving:
+                if isinstance(r, _Receiving):
+                    n += r.mm.size() if r.mm is not None else 0
+                    r.finish()
+                else:
+                    held.add(r[0], r[1].numpy())  # type: ignore[union-attr]
+                    n += r[1].numel()
+            return n
+
+        if into_dir:  # a copy that cannot be committed (renamed) fails every rank, not one left alone
+            try:
+                got = comm.check(finish)
+            except BaseException:
+                for r in receiving:
+                    r.abandon()
+                raise
+        else:
+            got = finish()
         return got
 
     def _drop_older(self, step_dir: str) -> None:
