@@ -8,6 +8,7 @@ node's ranks)::
     memory_dir/step_00001000/metadata.json          the step's commit, the same bytes on every node
     memory_dir/step_00001000/shard-r00003-<id>.safetensors   this node's ranks' files, and the copies it holds
     memory_dir/step_00001000/memtier.json           which nodes hold which file, once all are copied
+    memory_dir/.spare/                              the data files of the step last dropped, overwritten by the next step's
 
 A step directory is an ordinary checkpoint (the reader, ``verify`` and the checksums work on it);
 it holds every data file only where one node holds the whole step. ``metadata.json`` is sealed by
