@@ -20,6 +20,13 @@
   during the restore from memory the durable root is moved away, so ``durable_bytes_read=0`` is
   what happened, not what was hoped (a read there would fail the run);
 - ``ram_per_node_x``: bytes in a node's memory directory over its ranks' share of the state.
+
+With ``--nvrx-python PATH`` (an interpreter with ``nvidia-resiliency-ext``, kept out of
+shardsafe's environment), nvidia-resiliency-ext's local checkpointing saves the same bytes per
+rank on as many gloo ranks, replicated to one other rank, and loads them back
+(``benchmarks/nvrx_local.py``, which says what it needs on CPU): ``nvrx_save_s`` (its save is
+synchronous: the loop is blocked until the step is on its node and its peer) against our
+``safe_s`` and ``blocked_s``, and ``nvrx_load_s`` (same world size only), or ``nvrx_error=...``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -154,8 +162,9 @@ def _restore(rank: int, world: int, port: int, cfg: dict, out) -> None:
     into = torch.empty_like(flat)
     dist.barrier()
     t0 = time.perf_counter()
-    for w in [dist.isend(flat, dst=(rank + 1) % world), dist.irecv(into, src=(rank - 1) % world)]:
-        w.wait()
+    if world > 1:  # --nodes 2 restores on one rank: nothing to send (gloo refuses a send to itself)
+        for w in [dist.isend(flat, dst=(rank + 1) % world), dist.irecv(into, src=(rank - 1) % world)]:
+            w.wait()
     send_s = time.perf_counter() - t0
     del flat, into
     results = {}
@@ -198,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib-per-rank", type=float, default=256)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--memory-root", default="/dev/shm")
+    ap.add_argument("--nvrx-python", help="an interpreter with nvidia-resiliency-ext: run its local checkpointing beside ours")
     args = ap.parse_args(argv)
     if args.nodes < 2:
         ap.error("--nodes must be at least 2 (one is lost)")
@@ -231,8 +241,27 @@ def main(argv: list[str] | None = None) -> int:
         "durable_bytes_read": 0,  # measured so: the durable root was moved away during the restore from memory
         "ram_per_node_x": max(t["ram_x"] for t in train),
     }
+    if args.nvrx_python:
+        fields.update(_nvrx(args, worst("safe"), worst("blocked")))
     print("MEMTIER " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()))
     return 0
+
+
+def _nvrx(args, safe_s: float, blocked_s: float) -> dict:
+    """nvidia-resiliency-ext's local checkpointing on the same ranks and bytes (its own interpreter)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nvrx_local.py")
+    cmd = [args.nvrx_python, script, "--nodes", str(args.nodes), "--mib-per-rank", str(args.mib_per_rank), "--steps", str(args.steps),
+           "--memory-root", args.memory_root]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("NVRX ")), None)
+    if line is None:
+        return {"nvrx_error": (run.stderr.strip().splitlines() or ["no output"])[-1].replace(" ", "_")}
+    got = dict(kv.split("=", 1) for kv in line.split()[1:])
+    if "error" in got:
+        return {"nvrx_error": got["error"]}
+    save = float(got["save_s"])
+    return {"nvrx_save_s": save, "nvrx_save_vs_safe": save / safe_s, "nvrx_save_vs_blocked": save / blocked_s,
+            "nvrx_load_s": float(got["load_s"]), "nvrx_bit_exact": int(got["ok"])}
 
 
 if __name__ == "__main__":

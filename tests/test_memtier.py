@@ -20,6 +20,7 @@ from shardsafe import CheckpointManager, verify
 from shardsafe.errors import CheckpointError
 from shardsafe.memtier import (
     SAFE_FILENAME,
+    SPARE_DIRNAME,
     Transfer,
     default_memory_dir,
     fetch_plan,
@@ -81,10 +82,12 @@ def _train(rank, ws, tmp, root, nodes, steps, persist_every):
         mgr.wait_until_finished()
         durable = mgr.all_steps()
     path = os.path.join(tmp, f"node{nodes[rank]}")
-    held = sorted(os.listdir(path))
+    held = sorted(n for n in os.listdir(path) if n != SPARE_DIRNAME)
     with open(os.path.join(path, held[-1], SAFE_FILENAME)) as f:
         record = json.load(f)
-    return {"durable": durable, "held": held, "record": record}
+    spares = sorted(os.path.getsize(os.path.join(path, SPARE_DIRNAME, n)) for n in os.listdir(os.path.join(path, SPARE_DIRNAME)))
+    kept = sorted(os.path.getsize(os.path.join(path, held[-1], n)) for n in os.listdir(os.path.join(path, held[-1])) if n.endswith(".safetensors"))
+    return {"durable": durable, "held": held, "record": record, "spares": spares, "kept": kept}
 
 
 def _restore(rank, ws, tmp, root, nodes):
@@ -120,6 +123,8 @@ def test_four_nodes_lose_one_restore_on_two_from_peers_memory(tmp_path) -> None:
     for o in out:
         assert o["durable"] == [2]
         assert o["held"] == ["step_00000003"]
+        # the dropped step's files are kept to write the next step into: as many, as large
+        assert len(o["kept"]) == 2 and o["spares"] == o["kept"]
         assert o["record"]["step"] == 3 and o["record"]["safe"] is True
         assert sorted(map(tuple, o["record"]["holders"].values())) == [(0, 1), (0, 3), (1, 2), (2, 3)]
     _lose(tmp, 3)
@@ -129,6 +134,53 @@ def test_four_nodes_lose_one_restore_on_two_from_peers_memory(tmp_path) -> None:
     for g in got:
         assert (g["step"], g["tier"], g["why"]) == (3, "memory", "")
         assert g["peer"] > 0 and g["local"] > 0
+
+
+def _train_failing_copy(rank, ws, tmp, root):
+    """3 nodes of one rank save steps 1-3; at step 3 the copy of rank 1's file on node 2 fails
+    after it was received, before it is committed. Returns what each node holds afterwards."""
+    from shardsafe import memtier
+
+    def fail(path: str) -> None:
+        if rank == 2 and "step_00000003" in path and "shard-r00001" in path:
+            raise OSError(28, "No space left on device (injected)")
+
+    memtier._FAIL_FINISH = fail
+    model = Sharded(ws)
+    error = None
+    with _mgr(tmp, root, rank, persist_every=100) as mgr:
+        for s in (1, 2, 3):
+            model.set_step(s)
+            assert mgr.save(s, model)
+        try:
+            mgr.wait_until_finished()
+        except CheckpointError as e:
+            error = str(e)
+    path = os.path.join(tmp, f"node{rank}")
+    held = {d: sorted(os.listdir(os.path.join(path, d))) for d in os.listdir(path) if d != SPARE_DIRNAME}
+    with open(os.path.join(path, "step_00000002", SAFE_FILENAME)) as f:
+        record = json.load(f)
+    return {"error": error, "held": held, "record2": record}
+
+
+def test_a_copy_failing_mid_step_leaves_the_previous_safe_step_restorable(tmp_path) -> None:
+    """A copy of step 3 that fails on one node fails step 3's save on every rank (no rank waits
+    for the others), marks step 3 safe on no node, keeps step 2 (safe) on every node, and
+    leaves no part file. Node 1 lost: its file of step 3 exists nowhere else, so the survivors
+    restore step 2 from memory, bit-exact."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    out = run_ranks(3, _train_failing_copy, tmp, root)
+    for o in out:
+        assert o["error"] is not None and "injected" in o["error"]
+        assert sorted(o["held"]) == ["step_00000002", "step_00000003"]
+        assert SAFE_FILENAME in o["held"]["step_00000002"] and SAFE_FILENAME not in o["held"]["step_00000003"]
+        assert not [f for files in o["held"].values() for f in files if f.endswith(".part")]
+        assert o["record2"]["safe"] is True and o["record2"]["step"] == 2
+    assert not [f for f in out[2]["held"]["step_00000003"] if "shard-r00001" in f]  # the failed copy is gone
+    _lose(tmp, 1)
+    got = run_ranks(2, _restore, tmp, root, [0, 2])
+    for g in got:
+        assert (g["step"], g["tier"]) == (2, "memory"), g
 
 
 def test_two_nodes_of_two_ranks_lose_one_restore_on_three_ranks(tmp_path) -> None:
@@ -234,7 +286,7 @@ def _back_run(rank, ws, tmp, root):
     with _mgr(tmp, root, 0, persist_every=2) as mgr:
         step = mgr.restore(2, model=model)
         _check_step(model.fulls(), 2)
-        held = sorted(os.listdir(os.path.join(tmp, "node0")))
+        held = sorted(n for n in os.listdir(os.path.join(tmp, "node0")) if n != SPARE_DIRNAME)
         return step, mgr.last_restore.tier, mgr.last_restore.why, held
 
 
@@ -342,7 +394,7 @@ def test_memory_dir_true_is_a_directory_under_dev_shm_named_after_root(tmp_path)
         model = torch.nn.Linear(3, 2)
         with CheckpointManager(root, memory_dir=True) as mgr:
             assert mgr.save(7, model)
-        assert sorted(os.listdir(want)) == ["step_00000007"]
+        assert sorted(os.listdir(want)) == [SPARE_DIRNAME, "step_00000007"]
         with CheckpointManager(root, memory_dir=True) as mgr:
             assert mgr.restore(model=model) == 7 and mgr.last_restore.tier == "memory"
     finally:
@@ -375,3 +427,39 @@ def test_bad_arguments(tmp_path) -> None:
     with pytest.raises(TypeError) as e:
         CheckpointManager(root, memory_dir=str(tmp_path / "m"), node=1.5)
     assert str(e.value) == "CheckpointManager: argument 'node' must be an int, a str or None, got float 1.5"
+
+
+def test_a_spare_larger_or_smaller_than_the_new_file_is_overwritten_and_cut_to_length(tmp_path) -> None:
+    """Tier 0's write and a received copy go into the pool's files: the result holds exactly the
+    new bytes (a spare longer than them is cut, a shorter one grows), and the pool empties."""
+    from shardsafe.memtier import _Receiving
+    from shardsafe.storage import open_storage
+
+    pool = tmp_path / SPARE_DIRNAME
+    pool.mkdir()
+    (pool / "a").write_bytes(b"\xff" * 5000)
+    (pool / "b").write_bytes(b"\xee" * 10)
+
+    def claim(path: str) -> bool:
+        names = sorted(os.listdir(pool))
+        if not names:
+            return False
+        os.rename(pool / names[0], path)
+        return True
+
+    storage = open_storage(str(tmp_path / "step"))
+    storage.reuse = claim
+    new = bytes(range(256)) * 7
+    with storage.write_file("x.safetensors") as w:
+        w.write(memoryview(new[:1000]))
+        w.write(memoryview(new[1000:]))
+    assert (tmp_path / "step" / "x.safetensors").read_bytes() == new  # 1792 bytes from a 5000-byte spare
+    r = _Receiving(str(tmp_path / "step" / "y.safetensors"), 300, claim)  # from the 10-byte spare
+    r.tensor.copy_(torch.arange(300, dtype=torch.int32).to(torch.uint8))
+    r.finish()
+    assert (tmp_path / "step" / "y.safetensors").read_bytes() == bytes(i % 256 for i in range(300))
+    assert os.listdir(pool) == []
+    r = _Receiving(str(tmp_path / "step" / "z.safetensors"), 64, claim)  # the pool is empty: a new file
+    r.tensor.fill_(7)
+    r.finish()
+    assert (tmp_path / "step" / "z.safetensors").read_bytes() == b"\x07" * 64

@@ -8,6 +8,7 @@ node's ranks)::
     memory_dir/step_00001000/metadata.json          the step's commit, the same bytes on every node
     memory_dir/step_00001000/shard-r00003-<id>.safetensors   this node's ranks' files, and the copies it holds
     memory_dir/step_00001000/memtier.json           which nodes hold which file, once all are copied
+    memory_dir/.spare/                              the data files of the step last dropped, overwritten by the next step's
 
 A step directory is an ordinary checkpoint (the reader, ``verify`` and the checksums work on it);
 it holds every data file only where one node holds the whole step. ``metadata.json`` is sealed by
@@ -20,6 +21,8 @@ thread on the background group, after the step's tier-0 commit, on every rank.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import mmap
@@ -40,7 +43,7 @@ from .format.metadata import METADATA_FILENAME, StorageMetadata, sealed_data_fil
 from .storage import HeldFiles, Storage, open_storage
 
 __all__ = [
-    "SAFE_FILENAME", "MemoryTier", "RestoreReport", "SavedInMemory", "Transfer", "default_memory_dir", "fetch_plan", "newest_complete_step",
+    "SAFE_FILENAME", "SPARE_DIRNAME", "MemoryTier", "RestoreReport", "SavedInMemory", "Transfer", "default_memory_dir", "fetch_plan", "newest_complete_step",
     "node_of_this_process", "replica_nodes", "replication_plan",
 ]
 
@@ -48,6 +51,8 @@ log = logging.getLogger(__name__)
 
 SAFE_FILENAME = "memtier.json"
 _PART = ".part"  # a copy being received; renamed to its name once whole
+_FAIL_FINISH: Callable[[str], None] | None = None  # tests: called before a received copy is renamed to its name
+SPARE_DIRNAME = ".spare"  # a dropped step's data files, kept to write the next step's files into
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,22 +222,53 @@ class _Receiving:
     """A file received straight into a new file of the node's memory directory (a shared
     mapping), under a ``.part`` name until :meth:`finish` renames it."""
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, reuse: Callable[[str], bool] | None = None) -> None:
         self.path = path
         self.part = path + _PART
-        fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        reused = reuse is not None and reuse(self.part)
+        fd = os.open(self.part, os.O_RDWR | (0 if reused else os.O_CREAT | os.O_TRUNC), 0o644)
         try:
             os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE) if size else None
+            self.mm = _map_for_writing(fd, size, allocate=not reused) if size else None
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8) if self.mm is not None else torch.empty(0, dtype=torch.uint8)
 
     def finish(self) -> None:
-        del self.tensor
-        if self.mm is not None:
-            self.mm.close()
+        self._close()
+        if _FAIL_FINISH is not None:
+            _FAIL_FINISH(self.path)
         os.replace(self.part, self.path)
+
+    def abandon(self) -> None:
+        """A copy that will not be committed: its ``.part`` file goes."""
+        self._close()
+        try:
+            os.unlink(self.part)
+        except FileNotFoundError:
+            pass
+
+    def _close(self) -> None:
+        self.tensor = None
+        if self.mm is not None and not self.mm.closed:
+            try:
+                self.mm.close()
+            except BufferError:  # still held by a failed transfer: left to the collector
+                pass
+
+
+def _map_for_writing(fd: int, size: int, *, allocate: bool) -> mmap.mmap:
+    """A shared writable mapping of ``size`` bytes of ``fd``, its pages faulted in at once
+    (``MAP_POPULATE``) rather than one fault per 4 KiB page as the transfer writes them; a new
+    file's pages are allocated first, in one call (``allocate``)."""
+    if allocate and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # ENOSPC: the tmpfs is full
+                raise
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 class MemoryTier:
@@ -275,7 +311,73 @@ class MemoryTier:
         (one save, one location: its files are named in one ``metadata.json``)."""
         storage = open_storage(self.step_path(step_dir))
         storage.url = f"memtier:{self.root_url.rstrip('/')}/{step_dir}"  # type: ignore[misc]
+        if hasattr(storage, "reuse"):  # tier 0's own file written into a spare's pages
+            storage.reuse = self.claim_spare  # type: ignore[attr-defined]
         return storage
+
+    # --- spares: a dropped step's files, overwritten by the next step's -------------------------
+
+    def claim_spare(self, path: str) -> bool:
+        """Move one spare file of the node's pool to ``path`` (to be overwritten and cut to
+        length); False when the pool is empty. Tmpfs allocates and zeroes a new file's pages
+        at about the speed of a loopback transfer, so writing into a dropped step's pages
+        halves the cost of a copy. The node's ranks claim concurrently: a rename is atomic."""
+        pool = os.path.join(self.dir, SPARE_DIRNAME)
+        try:
+            names = sorted(os.listdir(pool))
+        except FileNotFoundError:
+            return False
+        for name in names:
+            try:
+                os.rename(os.path.join(pool, name), path)
+                return True
+            except FileNotFoundError:  # another rank of the node took it
+                continue
+            except OSError as e:
+                log.debug("memory tier: spare %s not usable: %s", name, e)
+                return False
+        return False
+
+    def _refill_spares(self, step_dir: str, older: list[str]) -> None:
+        """(Node leader, once ``step_dir`` is safe.) The pool becomes as many files as the node
+        holds of ``step_dir`` (what the next step will write): the data files of the ``older``
+        steps being dropped, else new files of the same sizes. Leftovers beyond that are removed."""
+        pool = os.path.join(self.dir, SPARE_DIRNAME)
+        os.makedirs(pool, exist_ok=True)
+        try:
+            want = sorted((e.stat().st_size for e in os.scandir(self.step_path(step_dir)) if _is_data(e.name)), reverse=True)
+        except FileNotFoundError:
+            want = []
+        have = [os.path.join(pool, n) for n in os.listdir(pool)]
+        for name in older:  # metadata.json first: what is left is never a complete step
+            path = os.path.join(self.dir, name)
+            _unlink_quietly(os.path.join(path, METADATA_FILENAME))
+            try:
+                entries = [e.name for e in os.scandir(path) if _is_data(e.name)]
+            except FileNotFoundError:
+                entries = []
+            for e in entries:
+                dst = os.path.join(pool, f"{name}-{e}")
+                try:
+                    os.rename(os.path.join(path, e), dst)
+                    have.append(dst)
+                except OSError:
+                    pass
+        for extra in have[len(want):]:
+            _unlink_quietly(extra)
+        for i in range(len(have), len(want)):  # the first steps: nothing dropped yet
+            fd = os.open(os.path.join(pool, f"new-{i}"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:  # written, not fallocated: tmpfs zeroes a fallocated page on its first use, in the next step's copy
+                zeros = memoryview(bytes(min(want[i], 1 << 20)))
+                left = want[i]
+                while left:
+                    left -= os.write(fd, zeros[: min(left, zeros.nbytes)])
+            except OSError as e:
+                log.debug("memory tier: could not allocate a spare of %d bytes: %s", want[i], e)
+                os.close(fd)
+                _unlink_quietly(os.path.join(pool, f"new-{i}"))
+                break
+            os.close(fd)
 
     def clear_step(self, step_dir: str) -> None:
         """(Node leader.) Remove what the node holds of a step: a stale copy of a step saved again."""
@@ -303,6 +405,8 @@ class MemoryTier:
         side.raise_failures(files)
         plan = replication_plan(self.nodes, files, self.targets)
         times.append(time.perf_counter())
+        # every copy received whole and renamed on every node (a failure anywhere fails every
+        # rank here) before any node records the step safe
         self._run_transfers(side, plan, path, into_dir=True)
         times.append(time.perf_counter())
         holders: dict[str, list[int]] = {}
@@ -341,7 +445,7 @@ class MemoryTier:
                     maps.append(mm)
                 if t.dst == self.rank:
                     if into_dir:
-                        r = _Receiving(os.path.join(path, t.file), t.size)
+                        r = _Receiving(os.path.join(path, t.file), t.size, self.claim_spare)
                         receiving.append(r)
                         recvs.append((t.src, tag, r.tensor))
                     else:
@@ -349,28 +453,56 @@ class MemoryTier:
                         receiving.append((t.file, buf))
                         recvs.append((t.src, tag, buf))
 
-        comm.check(post)  # a file that cannot be opened fails every rank before any transfer
         try:
+            comm.check(post)  # a file that cannot be opened fails every rank before any transfer
             comm.exchange(sends, recvs)
+        except BaseException:
+            sends.clear()
+            recvs.clear()
+            for r in receiving:
+                if isinstance(r, _Receiving):
+                    r.abandon()
+            raise
         finally:
             sends.clear()  # the tensors over the mappings go before the mappings
             recvs.clear()
             for mm in maps:
                 if mm is not None:
-                    mm.close()
-        for r in receiving:
-            if isinstance(r, _Receiving):
-                got += r.mm.size() if r.mm is not None else 0
-                r.finish()
-            else:
-                held.add(r[0], r[1].numpy())  # type: ignore[union-attr]
-                got += r[1].numel()
+                    with contextlib.suppress(BufferError):  # still held by a failed transfer: left to the collector
+                        mm.close()
+
+        def finish() -> int:
+            n = 0
+            for r in receiving:
+                if isinstance(r, _Receiving):
+                    n += r.mm.size() if r.mm is not None else 0
+                    r.finish()
+                else:
+                    held.add(r[0], r[1].numpy())  # type: ignore[union-attr]
+                    n += r[1].numel()
+            return n
+
+        if into_dir:  # a copy that cannot be committed (renamed) fails every rank, not one left alone
+            try:
+                got = comm.check(finish)
+            except BaseException:
+                for r in receiving:
+                    r.abandon()
+                raise
+        else:
+            got = finish()
         return got
 
     def _drop_older(self, step_dir: str) -> None:
-        for name in _step_dirs(self.dir):
-            if name < step_dir:
-                _remove_tree(os.path.join(self.dir, name))
+        """Drop the node's steps older than ``step_dir`` (now safe), their data files kept as
+        the pool of spares the next step writes into."""
+        older = [name for name in _step_dirs(self.dir) if name < step_dir]
+        try:
+            self._refill_spares(step_dir, older)
+        except OSError as e:
+            log.warning("memory tier: keeping spare files in %s failed: %s", self.dir, e)
+        for name in older:
+            _remove_tree(os.path.join(self.dir, name))
 
     def forget_after(self, step_dir: str) -> None:
         """(Node leader, once every rank has restored the step of ``step_dir``.) Remove the steps
@@ -519,6 +651,17 @@ def _write_atomic(path: str, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def _is_data(name: str) -> bool:
+    return name not in (METADATA_FILENAME, SAFE_FILENAME) and not name.endswith(_PART) and name.endswith(".safetensors")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _remove_tree(path: str) -> None:

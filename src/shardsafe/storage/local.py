@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..errors import CorruptCheckpointError, StorageError
@@ -90,6 +90,10 @@ class LocalStorage:
         self.coalesce_gap_bytes = None
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()  # reader threads share the fd cache
+        # reuse(path): called before a data file is created at path; True when it moved an existing
+        # file there to be overwritten and cut to length (on tmpfs, allocating fresh pages costs
+        # more than copying into them: the memory tier recycles a dropped step's files this way)
+        self.reuse: Callable[[str], bool] | None = None
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, check_name(name))
@@ -114,12 +118,16 @@ class LocalStorage:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+            reused = self.reuse is not None and self.reuse(path)
+            fd = os.open(path, (os.O_WRONLY if reused else os.O_WRONLY | os.O_CREAT | os.O_EXCL) | _NOFOLLOW, 0o644)
         except OSError as e:
             raise StorageError(f"{path}: cannot create data file: {e.strerror}") from e
         ok = False
         try:
-            yield _FileWriter(fd, self._writeback)
+            writer = _FileWriter(fd, self._writeback)
+            yield writer
+            if reused:
+                os.ftruncate(fd, writer._pos)
             os.fsync(fd)
             ok = True
         except OSError as e:
