@@ -65,6 +65,7 @@ class HFModel:
         self.storage, self.where, self.tensors, self.metadata = storage, where, tensors, metadata
 
 
+@paused_gc()  # a few objects per tensor, none cyclic; a header may list 300k tensors
 def open_hf_model(location: Location, comm: Comm | None = None) -> HFModel:
     """Read the headers of the Hugging Face model at ``location``: a ``.safetensors`` file, an
     ``.index.json`` file, or a folder holding ``model.safetensors.index.json``,
@@ -82,11 +83,6 @@ def open_hf_model(location: Location, comm: Comm | None = None) -> HFModel:
         return {f: _read_header(storage, f, where) for f in files}, weight_map
 
     headers, weight_map = comm.broadcast(read) if comm is not None else read()
-    with paused_gc():  # a few objects per tensor, none cyclic; a header may list 300k tensors
-        return _described(storage, where, headers, weight_map)
-
-
-def _described(storage: Storage, where: str, headers: dict[str, bytes], weight_map: dict[str, str] | None) -> HFModel:
     tensors: dict[str, TensorStorageMetadata] = {}
     metadata: dict[str, str] = {}
     ranges: list[tuple[int, int, str]] = []

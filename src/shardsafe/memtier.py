@@ -243,10 +243,7 @@ class _Receiving:
     def abandon(self) -> None:
         """A copy that will not be committed: its ``.part`` file goes."""
         self._close()
-        try:
-            os.unlink(self.part)
-        except FileNotFoundError:
-            pass
+        _unlink_quietly(self.part)
 
     def _close(self) -> None:
         self.tensor = None
@@ -654,7 +651,8 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 def _is_data(name: str) -> bool:
-    return name not in (METADATA_FILENAME, SAFE_FILENAME) and not name.endswith(_PART) and name.endswith(".safetensors")
+    """A data file of a step directory (not metadata.json, memtier.json or a ``.part`` copy)."""
+    return name.endswith(".safetensors")
 
 
 def _unlink_quietly(path: str) -> None:

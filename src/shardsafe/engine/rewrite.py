@@ -122,8 +122,8 @@ def write_checkpoint(
                     rows[c.key].append(_Row(number, tuple(c.offsets), tuple(c.lengths), None if c.flat is None else tuple(c.flat)))
                     done += end - begin
                     report(done)
-                small += struct.pack(f"<{len(digests)}Q", *digests)
-                sums = small[len(small) - 8 * len(digests):]
+                sums = struct.pack(f"<{len(digests)}Q", *digests)
+                small += sums
                 w.write(memoryview(small))
             table.append(
                 DataFile(name=name, size=layout.size, header_bytes=len(layout.header), header=file_digest(layout.header), sums=file_digest(sums))
