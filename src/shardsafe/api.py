@@ -32,6 +32,7 @@ from .adapters.optim import (
     optim_targets,
     split_state_key,
 )
+from .adapters.subclasses import stored_tensor_keys
 from .dist import Comm, get_comm
 from .engine.background import AsyncSave
 from .engine.consolidate import export_tensors
@@ -156,6 +157,7 @@ def load_model_and_optim_state(
     knobs: Knobs | None = None,
     process_group: ProcessGroup | None = None,
     progress: bool | Callable[[int, int], None] | None = None,
+    dequantize: bool = False,
 ) -> None:
     """Load a checkpoint of :func:`save_model_and_optim_state` into ``model`` (and ``optim``) in place.
 
@@ -171,14 +173,18 @@ def load_model_and_optim_state(
     ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
     callable is called on every rank as ``progress(done, total)`` with the bytes of this rank's
     targets filled so far (from the thread that loads).
+
+    ``dequantize``: a plain parameter or state tensor whose key holds a quantized tensor subclass
+    (an NF4 base weight, 8-bit optimizer state) gets its high-precision values.
     """
     _check_model_args("load_model_and_optim_state", model, optim, knobs)
     check_bool("load_model_and_optim_state", "validate", validate)
+    check_bool("load_model_and_optim_state", "dequantize", dequantize)
     knobs = knobs or KNOBS
     storage = open_storage(dir)
     comm = get_comm(process_group=process_group, call="shardsafe.load_model_and_optim_state", timeout_s=knobs.collective_timeout_s)
     bar = rank_progress(progress, "load_model_and_optim_state", comm.is_coordinator)
-    load_model_and_more(storage, comm, model, optim, knobs=knobs, validate=validate, progress=bar)
+    load_model_and_more(storage, comm, model, optim, knobs=knobs, validate=validate, progress=bar, dequantize=dequantize)
 
 
 def load_model_and_more(
@@ -193,6 +199,7 @@ def load_model_and_more(
     more_apply: Callable[[dict[str, Any]], None] | None = None,
     progress: Progress | None = None,
     fetch: Callable[[StorageMetadata, list[LocalTensor]], None] | None = None,
+    dequantize: bool = False,
 ) -> None:
     """Load ``model`` and ``optim`` (either may be None; ``optim`` only with its ``model``) in
     place and, in the same pass, the targets ``more_targets(metadata)`` returns; then hand the
@@ -206,10 +213,12 @@ def load_model_and_more(
     def targets() -> None:
         state: dict[str, Any] = {}
         if model is not None:
-            check_model_keys(meta.tensors, [i.fqn for i in [*params, *buffers]], storage.url, strict=validate)
+            check_model_keys(
+                stored_tensor_keys(meta.tensors, meta.objects), [i.fqn for i in [*params, *buffers]], storage.url, strict=validate
+            )
             state = _model_values(params, buffers)
         if optim is not None:
-            opt_targets, holder["apply"] = optim_targets(optim, params, meta, storage.url, strict=validate)
+            opt_targets, holder["apply"] = optim_targets(optim, params, meta, storage.url, strict=validate, dequantize=dequantize)
             state.update(opt_targets)
         if more_targets is not None:
             state.update(more_targets(meta))
@@ -217,7 +226,7 @@ def load_model_and_more(
 
     comm.check(targets)
     state = holder["state"]
-    load_state(storage, state, comm, meta, allow_pickle=False, knobs=knobs, progress=progress, fetch=fetch)  # the storage already opened: one client, not two
+    load_state(storage, state, comm, meta, allow_pickle=False, knobs=knobs, progress=progress, fetch=fetch, dequantize=dequantize)  # the storage already opened: one client, not two
 
     def apply() -> None:
         if optim is not None:

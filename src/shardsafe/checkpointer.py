@@ -122,6 +122,7 @@ class Checkpointer:
         *,
         process_group: ProcessGroup | None = None,
         progress: bool | Callable[[int, int], None] | None = None,
+        dequantize: bool = False,
     ) -> None:
         """Fill the tensors of ``state_dict`` in place and replace its non-tensor values.
 
@@ -142,9 +143,14 @@ class Checkpointer:
         ``progress``: ``True`` draws a progress bar (tqdm, on stderr) on the coordinator only; a
         callable is called on every rank as ``progress(done, total)`` with the bytes of this
         rank's targets filled so far (from the thread that loads).
+
+        Tensor subclasses on the allow-list (README, "Tensor subclasses") load in place into a
+        target of the same class with the same blocks. ``dequantize``: a plain target whose key
+        holds a quantized subclass gets its high-precision values instead of an error.
         """
         check_arg("Checkpointer.load", "state_dict", state_dict, dict)
         check_bool("Checkpointer.load", "no_dist", no_dist)
+        check_bool("Checkpointer.load", "dequantize", dequantize)
         check_arg("Checkpointer.load", "metadata", metadata, StorageMetadata, optional=True)
         storage = open_storage(dir)
         comm = self._comm("load", no_dist, process_group)
@@ -152,7 +158,9 @@ class Checkpointer:
         meta = metadata if metadata is not None else read_metadata(storage, comm)
         if meta.resolver is None or meta.resolver.storage.url != storage.url:  # given by the caller: read this location's files
             bind_files(meta, storage)
-        load_state(storage, state_dict, comm, meta, allow_pickle=self.allow_pickle, knobs=self.knobs, progress=bar)
+        load_state(
+            storage, state_dict, comm, meta, allow_pickle=self.allow_pickle, knobs=self.knobs, progress=bar, dequantize=dequantize
+        )
 
     def unshard(
         self,
@@ -165,6 +173,7 @@ class Checkpointer:
         prefix: str | None = None,
         process_group: ProcessGroup | None = None,
         progress: bool | Callable[[int, int], None] | None = None,
+        dequantize: bool = False,
     ) -> dict[str, Any]:
         """The full (unsharded) state dict: every tensor whole, and the non-tensor values.
 
@@ -179,7 +188,11 @@ class Checkpointer:
         callable is called on every rank as ``progress(done, total)`` with the bytes of the
         tensors this rank has filled so far (from the thread that unshards; a rank that reads
         nothing, with ``rank0_only``, reports ``(0, 0)``).
+
+        A tensor subclass comes back whole as its class (imported from the allow-list only), or
+        with ``dequantize`` as its high-precision tensor.
         """
+        check_bool("Checkpointer.unshard", "dequantize", dequantize)
         check_arg("Checkpointer.unshard", "device", device, (torch.device, str), optional=True)
         check_bool("Checkpointer.unshard", "rank0_only", rank0_only)
         check_bool("Checkpointer.unshard", "no_dist", no_dist)
@@ -190,7 +203,7 @@ class Checkpointer:
         bar = rank_progress(progress, "unshard", comm.is_coordinator)
         return unshard_state(
             storage, comm, allow_pickle=self.allow_pickle, knobs=self.knobs, device=device, rank0_only=rank0_only,
-            num_threads=num_threads, prefix=prefix, progress=bar,
+            num_threads=num_threads, prefix=prefix, progress=bar, dequantize=dequantize,
         )
 
     def get_metadata(self, dir: Location, no_dist: bool = False, *, process_group: ProcessGroup | None = None) -> StorageMetadata:

@@ -25,6 +25,7 @@ from ..format.dtypes import dtype_name
 from ..format.geometry import Piece, chunk_bounds
 from .flat_sharded import flat_sharding
 from .sharded_tensor import ShardedTensor, view_as
+from .subclasses import Described, describe_subclass, refuse_unknown, rule_for, unwrap
 
 DTensor: Any = None  # set by _dtensor() once torch.distributed.tensor is imported
 Replicate: Any = None
@@ -66,6 +67,7 @@ class LocalTensor:
     shape: tuple[int, ...]
     pieces: list[Piece]
     views: list[torch.Tensor]  # piece box shaped, or 1-D for a flat piece; shares the value's memory
+    subclass: tuple[str, dict[str, Any]] | None = None  # an inner tensor of a subclass: (its key, its record)
 
 
 class DescribeCache:
@@ -95,6 +97,8 @@ class DescribeCache:
         cls = type(value)
         if (dt := _dtensor()) is not None and cls is dt:
             local = value._local_tensor
+            if type(local) is not torch.Tensor:  # a subclass inside: described each time
+                return False
         elif cls is torch.Tensor or cls is torch.nn.Parameter:
             local = value
         else:
@@ -138,6 +142,9 @@ def describe_state(
         if local is None:
             objects[name] = value
             continue
+        if isinstance(local, Described):
+            _add_subclass(tensors, objects, local, targets)
+            continue
         if local.key in tensors or local.key in objects:
             if local.key in pieced and isinstance(value, ShardedTensor):
                 _add_pieces(tensors[local.key], local, pieced[local.key], name)
@@ -153,6 +160,26 @@ def describe_state(
         if key in tensors:
             raise CheckpointError(f"key {key!r} appears twice in the state dict")
     return list(tensors.values()), objects
+
+
+def _add_subclass(tensors: dict[str, LocalTensor], objects: dict[str, Any], d: Described, targets: bool) -> None:
+    """A subclass value: its inner tensors as tensors, its record as the value of its key (on save)."""
+    if d.key in tensors or d.key in objects:
+        raise CheckpointError(f"key {d.key!r} appears twice in the state dict")
+    for inner in d.inners:
+        if inner.key in tensors or inner.key in objects:
+            raise CheckpointError(
+                f"key {inner.key!r} is in the state dict, and it is also the key of inner tensor {inner.name!r} of the "
+                f"{d.record['class']} under {d.key!r}; rename one of them"
+            )
+        t = inner.tensor
+        offset = inner.offset if inner.offset is not None else (0,) * t.dim()
+        tensors[inner.key] = LocalTensor(
+            inner.key, t.dtype, dtype_name(t.dtype, key=inner.key), inner.shape, [(offset, tuple(t.shape), None)], [t],
+            (d.key, d.record),
+        )
+    if not targets:
+        objects[d.key] = d.record
 
 
 def _add_pieces(into: LocalTensor, more: LocalTensor, first: str, name: str) -> None:
@@ -173,7 +200,7 @@ def _add_pieces(into: LocalTensor, more: LocalTensor, first: str, name: str) -> 
     into.views.extend(more.views)
 
 
-def _describe(name: str, value: Any, targets: bool) -> LocalTensor | None:
+def _describe(name: str, value: Any, targets: bool) -> LocalTensor | Described | None:
     if isinstance(value, ShardedTensor):
         _check_tensor(value.key, value.data)
         data = value.data.detach()
@@ -188,6 +215,12 @@ def _describe(name: str, value: Any, targets: bool) -> LocalTensor | None:
         return _describe_dtensor(name, value)
     if not isinstance(value, torch.Tensor):
         return None
+    if type(value) not in (torch.Tensor, torch.nn.Parameter) and rule_for(type(value)) is not None:
+        wrapped = unwrap(name, value)
+        if wrapped is not None:  # a float8 all-gather weight: its high-precision tensor
+            return _describe(name, wrapped, targets)
+        shape = tuple(value.shape)
+        return describe_subclass(name, value, shape, (0,) * len(shape), value.dtype)
     flat_spec = flat_sharding(name, value)
     if flat_spec is not None:
         _check_tensor(name, flat_spec.local)
@@ -201,12 +234,7 @@ def _describe(name: str, value: Any, targets: bool) -> LocalTensor | None:
         dtype = flat_spec.local.dtype
         return LocalTensor(name, dtype, dtype_name(dtype, key=name), flat_spec.shape, pieces, views)
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
-        cls = type(value)
-        raise ShardingError(
-            f"key {name!r}: a {cls.__module__}.{cls.__qualname__} is a torch.Tensor subclass shardsafe does not know, "
-            "so it cannot tell how the tensor is sharded; taking it for a replicated tensor could store one rank's "
-            "part as the whole. Pass a plain tensor, a DTensor or a shardsafe.ShardedTensor describing its part"
-        )
+        raise refuse_unknown(name, type(value))
     _check_tensor(name, value)
     shape = tuple(value.shape)
     return LocalTensor(name, value.dtype, dtype_name(value.dtype, key=name), shape, [((0,) * len(shape), shape, None)], [value.detach()])
@@ -219,8 +247,16 @@ def _check_tensor(key: str, t: torch.Tensor) -> None:
         raise CheckpointError(f"key {key!r}: tensor is on the meta device and holds no data; materialise it first")
 
 
-def _describe_dtensor(key: str, value: DTensor) -> LocalTensor:
-    local = value._local_tensor.detach()  # not to_local(): no autograd node per tensor per save
+def _describe_dtensor(key: str, value: DTensor) -> LocalTensor | Described:
+    local = value._local_tensor  # not to_local(): no autograd node per tensor per save
+    if type(local) is not torch.Tensor:
+        if rule_for(type(local)) is None:
+            raise refuse_unknown(key, type(local), " (the local tensor of a DTensor)")
+        wrapped = unwrap(key, local)
+        if wrapped is None:
+            return _describe_dtensor_subclass(key, value, local)
+        local = wrapped  # a float8 all-gather weight: its high-precision tensor, sharded as the DTensor is
+    local = local.detach()
     _check_tensor(key, local)
     shape = tuple(value.shape)
     mesh = value.device_mesh
@@ -240,6 +276,23 @@ def _describe_dtensor(key: str, value: DTensor) -> LocalTensor:
         )
     views = [local if sl is None else local[sl] for sl in slices]
     return LocalTensor(key, local.dtype, dtype_name(local.dtype, key=key), shape, list(pieces), views)
+
+
+def _describe_dtensor_subclass(key: str, value: DTensor, local: torch.Tensor) -> Described:
+    """A DTensor whose local tensor is an allow-listed subclass: its inner tensors, sharded as
+    the DTensor is, block by block."""
+    shape = tuple(value.shape)
+    coord = value.device_mesh.get_coordinate()
+    if coord is None:
+        raise ShardingError(f"key {key!r}: this rank is outside the mesh of a DTensor of {type(local).__qualname__}")
+    local_shape, pieces, _ = _dtensor_layout(shape, tuple(value.device_mesh.shape), tuple(coord), tuple(value.placements))
+    if len(pieces) != 1 or tuple(local.shape) != local_shape:
+        raise ShardingError(
+            f"key {key!r}: the local {type(local).__qualname__} of this DTensor holds {len(pieces)} pieces of the "
+            f"global tensor (placements {value.placements}); shardsafe stores a subclass's blocks for a local tensor "
+            "that is one box of the global tensor"
+        )
+    return describe_subclass(key, local, shape, pieces[0][0], value.dtype)
 
 
 @functools.lru_cache(maxsize=4096)

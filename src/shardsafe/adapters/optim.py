@@ -23,10 +23,12 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError, ShardingError
+from ..format.dtypes import torch_dtype
 from ..format.metadata import StorageMetadata
 from ..format.values import decode_objects
 from .keys import CLASS_KEY, GROUPS_KEY, STATE_PREFIX
 from .modules import ParamInfo
+from .subclasses import allocate, class_path, inner_keys, is_record
 
 __all__ = [
     "CLASS_KEY", "GROUPS_KEY", "STATE_PREFIX", "check_param_groups", "optim_state", "optim_targets", "split_state_key",
@@ -102,9 +104,14 @@ def split_state_key(key: str, fqns: set[str] | None) -> tuple[str, str]:
 
 
 def optim_targets(
-    optim: torch.optim.Optimizer, params: list[ParamInfo], meta: StorageMetadata, where: str, *, strict: bool
+    optim: torch.optim.Optimizer, params: list[ParamInfo], meta: StorageMetadata, where: str, *, strict: bool,
+    dequantize: bool = False,
 ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
-    """Targets to fill from ``meta`` and a function that hands them (once filled) to ``optim``."""
+    """Targets to fill from ``meta`` and a function that hands them (once filled) to ``optim``.
+
+    State stored as a tensor subclass (torchao's low-bit optimizer states) loads into the
+    optimizer's own state of that class, or into new state of that class, laid out like the
+    parameter; with ``dequantize``, into plain state of its high-precision dtype."""
     named = _named(optim, params)
     groups = stored_param_groups(meta, where)
     if groups is None:
@@ -119,8 +126,9 @@ def optim_targets(
     _check_groups(stored_groups, [[i.fqn for i, _ in g] for g in named], where, strict=strict)
     fqns = {info.fqn for g in named for info, _ in g}
     stored: dict[str, dict[str, str]] = {}  # fqn -> state name -> key
+    inner = inner_keys(meta.objects)
     for key in [*meta.tensors, *meta.objects, *meta.pickled_objects]:
-        if key.startswith(STATE_PREFIX):
+        if key.startswith(STATE_PREFIX) and key not in inner:
             fqn, name = split_state_key(key, fqns)
             if fqn not in fqns:
                 if strict:
@@ -143,6 +151,10 @@ def optim_targets(
                 continue
             for name, key in stored.get(info.fqn, {}).items():
                 tm = meta.tensors.get(key)
+                if tm is None and is_record(record := meta.objects.get(key)):
+                    st[name] = t = _subclass_target(current.get(name), record, info, p, key, where, dequantize)
+                    targets[key] = info.sharded(key, t)
+                    continue
                 if tm is None:  # a JSON value
                     st[name] = None
                     targets[key] = None
@@ -228,6 +240,34 @@ def _target(current: Any, shape: tuple[int, ...], dtype: torch.dtype, info: Para
     ):
         return current
     return torch.empty_like(p.detach(), dtype=dtype)
+
+
+def _subclass_target(
+    current: Any, record: dict[str, Any], info: ParamInfo, p: torch.Tensor, key: str, where: str, dequantize: bool
+) -> torch.Tensor:
+    """The tensor to load the subclass state ``key`` into: the optimizer's own if it is of the
+    stored class, else a new one of that class laid out like ``p`` (plain, of the stored
+    dtype, with ``dequantize``)."""
+    if tuple(record["shape"]) != _param_shape(info):
+        raise ShapeMismatchError(
+            f"{where}: key {key!r}: checkpoint holds optimizer state of shape {record['shape']} for parameter "
+            f"{info.fqn!r} of shape {list(_param_shape(info))}"
+        )
+    local = getattr(current, "_local_tensor", current)
+    if local is not None and class_path(type(local)) == record["class"]:
+        return current
+    if dequantize:
+        return torch.empty_like(p.detach(), dtype=torch_dtype(record["dtype"]))
+    if info.flat is not None:
+        raise ShardingError(
+            f"{where}: key {key!r} holds a {record['class']}; a flat-sharded (FSDP1) parameter cannot hold it. Pass "
+            "dequantize=True to load its high-precision values"
+        )
+    plocal = getattr(p, "_local_tensor", p)
+    value, _ = allocate(where, key, record, tuple(plocal.shape), plocal.device)
+    if plocal is p:
+        return value
+    return type(p).from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def check_param_groups(groups: Any, where: str, *, current: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:

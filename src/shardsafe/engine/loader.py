@@ -21,8 +21,9 @@ from .._gc import paused_gc
 from .._progress import Progress, bytes_counter, targets_done
 from ..adapters import LocalTensor, describe_state
 from ..adapters.nested import Targets, load_targets
+from ..adapters.subclasses import INNER_SEP, check_record, inner_keys, is_record
 from ..dist import Comm
-from ..errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError
+from ..errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError, ShardingError
 from ..format.metadata import METADATA_FILENAME, StorageMetadata, keys_under
 from ..format.values import decode_objects
 from ..knobs import Knobs
@@ -32,6 +33,7 @@ from .bounds import check_files_hold, read_limited
 from .file_index import bind_files
 from .foreign import missing_metadata_error
 from .reader import Reader
+from .subclass_values import check_dequantized, load_whole
 
 __all__ = ["StoredValues", "check_targets", "load_state", "read_metadata", "unshard_state"]
 
@@ -71,10 +73,20 @@ class StoredValues:
 def check_targets(meta: Any, tensors: list[LocalTensor], objects: list[str], where: str) -> None:
     """Every target tensor is stored with its global shape and dtype, and every target value is
     stored as a value; ``meta`` needs ``tensors`` (and ``objects``, ``pickled_objects`` when
-    ``objects`` is not empty)."""
+    ``objects`` is not empty). A target subclass's record agrees with the stored one."""
+    records: set[str] = set()
     for t in tensors:
+        if t.subclass is not None and t.subclass[0] not in records:
+            records.add(t.subclass[0])
+            check_record(where, t.subclass[0], getattr(meta, "objects", {}).get(t.subclass[0]), t.subclass[1])
         stored = meta.tensors.get(t.key)
         if stored is None:
+            if t.subclass is None and is_record(record := getattr(meta, "objects", {}).get(t.key)):
+                raise ShardingError(
+                    f"{where}: key {t.key!r} is stored as a {record['class']} (its inner tensors under "
+                    f"{t.key + INNER_SEP!r}...), the target is a plain tensor: load it into a {record['class']}, or "
+                    "pass dequantize=True to load its high-precision values"
+                )
             raise MissingKeyError(f"{where}: key {t.key!r} is not in the checkpoint ({len(meta.tensors)} tensors stored)")
         if stored.shape != t.shape:
             raise ShapeMismatchError(
@@ -92,10 +104,14 @@ def load_state(
     storage: Storage, state_dict: dict[str, Any], comm: Comm, meta: StorageMetadata, *, allow_pickle: bool, knobs: Knobs,
     progress: Progress | None = None,
     fetch: Callable[[StorageMetadata, list[LocalTensor]], None] | None = None,
+    dequantize: bool = False,
 ) -> None:
     """Fill the tensors of ``state_dict`` (nested as on save) in place from the checkpoint ``meta``
     describes, then replace its values and call each ``Stateful``'s ``load_state_dict``. Every rank
     of ``comm`` calls it together; a failure on any rank raises on every rank.
+
+    ``dequantize``: a plain target tensor whose key holds a quantized subclass (NF4, 8-bit
+    optimizer state) gets its high-precision values; the whole stored value is read to build them.
 
     ``fetch(meta, targets)``: called on every rank together, once every rank has described and
     checked its targets and before any reads, to bring the bytes those targets need into
@@ -108,9 +124,17 @@ def load_state(
             state_dict, StoredValues(meta), lambda: [*meta.tensors, *meta.objects, *meta.pickled_objects]
         )
         tensors, objects = describe_state(targets.flat, targets=True)
+        if dequantize:
+            whole = [t for t in tensors if t.subclass is None and t.key not in meta.tensors and is_record(meta.objects.get(t.key))]
+            for t in whole:
+                check_dequantized(storage.url, t.key, meta.objects[t.key], t.shape, t.dtype_name)
+            tensors = [t for t in tensors if t not in whole]
+            deq[:] = whole
         check_targets(meta, tensors, list(objects), storage.url)
         values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=allow_pickle, where=storage.url)
         return targets, tensors, values
+
+    deq: list[LocalTensor] = []
 
     first: list[Any] = []
     if fetch is not None:
@@ -121,6 +145,13 @@ def load_state(
         targets, tensors, values = first if first else described()
         with Reader(storage, knobs) as reader:
             reader.load_tensors(((meta.tensors[t.key], t) for t in tensors), targets_done(progress, tensors))
+            for t in deq:  # the high-precision values of a quantized subclass, this rank's pieces of them
+                full = load_whole(reader, meta, storage.url, t.key, dequantize=True)
+                for (offset, size, flat), view in zip(t.pieces, t.views):
+                    if flat is not None:
+                        view.copy_(full.reshape(-1)[flat[0] : flat[1]])
+                    else:
+                        view.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, size))])
             nread[0] = reader.bytes_read
         log.debug(
             "load %s: rank %d of %d filled %d tensors and %d values, %d bytes read, %.2f s",
@@ -149,9 +180,12 @@ def unshard_state(
     num_threads: int | None = None,
     prefix: str | None,
     progress: Progress | None = None,
+    dequantize: bool = False,
 ) -> dict[str, Any]:
     """The full tensors and the values of the checkpoint at ``storage`` (those under ``prefix``,
-    without it), read by every rank of ``comm`` (only the first with ``rank0_only``)."""
+    without it), read by every rank of ``comm`` (only the first with ``rank0_only``). A tensor
+    subclass comes back as the subclass (its class imported from the allow-list), or with
+    ``dequantize`` as its high-precision tensor."""
     meta = read_metadata(storage, comm)
     if rank0_only and comm.rank != 0:
         if progress is not None:
@@ -159,9 +193,11 @@ def unshard_state(
         return {}
     device = torch.device(device) if device is not None else torch.device("cpu")
     out: dict[str, Any] = {}
-    selected = keys_under(meta.tensors, prefix)
-    wanted = keys_under([*meta.objects, *meta.pickled_objects], prefix)
-    if prefix is not None and not selected and not wanted:
+    inner = inner_keys(meta.objects)
+    selected = keys_under([k for k in meta.tensors if k not in inner], prefix)
+    wholes = keys_under([k for k, v in meta.objects.items() if is_record(v)], prefix)
+    wanted = keys_under([*[k for k, v in meta.objects.items() if not is_record(v)], *meta.pickled_objects], prefix)
+    if prefix is not None and not selected and not wanted and not wholes:
         stored = sorted([*meta.tensors, *meta.objects, *meta.pickled_objects])
         raise MissingKeyError(
             f"{storage.url}: no key starts with {prefix!r}; the checkpoint holds {len(stored)} key(s)"
@@ -186,6 +222,9 @@ def unshard_state(
             if add is not None:
                 add(full.numel() * full.element_size())
             out[name] = full if device.type == "cpu" else full.to(device)
+        for name, key in wholes.items():
+            value = load_whole(reader, meta, storage.url, key, dequantize=dequantize)
+            out[name] = value if device.type == "cpu" else value.to(device)
         nread = reader.bytes_read
     values = decode_objects(meta.objects, meta.pickled_objects, list(wanted.values()), allow_pickle=allow_pickle, where=storage.url)
     out.update((name, values[key]) for name, key in wanted.items())
