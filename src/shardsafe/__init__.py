@@ -7,6 +7,8 @@ Flat state dicts: Checkpointer (save, async_save, load, unshard, get_metadata); 
 Training loops: CheckpointManager; RNGState; ShardedTensor (Megatron-style boxes)
 Hugging Face: unshard_to_safetensors (one file or a sharded folder), load_hf_safetensors
 Checks: verify -> VerifyReport
+Tensor subclasses (torchao's NF4, low-bit optimizer states, float8 weights): allowed_tensor_subclasses,
+register_tensor_subclass
 
 Errors: every error bad input, damage or a failed peer can cause is a CheckpointError, importable
 from here (documented one by one in shardsafe.errors):
@@ -66,6 +68,8 @@ _LAZY = {
     "TensorShardSpec": ".format.metadata",
     "TensorStorageMetadata": ".format.metadata",
     "load_hf_safetensors": ".hf",
+    "allowed_tensor_subclasses": ".adapters.subclasses",
+    "register_tensor_subclass": ".adapters.subclasses",
     "CheckpointManager": ".manager",
     "RNGState": ".rng",
     "VerifyReport": ".verify",
@@ -74,6 +78,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from .adapters import ShardedTensor
+    from .adapters.subclasses import allowed_tensor_subclasses, register_tensor_subclass
     from .api import (
         async_save_model_and_optim_state,
         load_model_and_optim_state,
@@ -135,9 +140,11 @@ __all__ = [
     "RNGState",
     "ShardedTensor",
     "VerifyReport",
+    "allowed_tensor_subclasses",
     "async_save_model_and_optim_state",
     "load_hf_safetensors",
     "load_model_and_optim_state",
+    "register_tensor_subclass",
     "save_model_and_optim_state",
     "unshard_model_state",
     "unshard_optim_state",

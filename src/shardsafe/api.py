@@ -380,6 +380,7 @@ def unshard_to_safetensors(
     progress: bool | Callable[[int, int], None] | None = None,
     knobs: Knobs | None = None,
     config: Any = None,
+    dequantize: bool = False,
 ) -> dict[str, int]:
     """Write every tensor of the checkpoint at ``dir`` into one safetensors file at ``out_path``
     or, with ``max_shard_size``, into a Hugging Face style folder at ``out_path``.
@@ -408,6 +409,9 @@ def unshard_to_safetensors(
 
     ``dtype``: cast every floating-point tensor to it (``torch.bfloat16``, ...); other tensors
     are written as stored. Checksums are checked on the stored bytes, before the cast.
+    ``dequantize``: a quantized tensor subclass (an NF4 base weight of QLoRA, 8-bit optimizer
+    state) is written as its high-precision tensor (built whole in memory); without it, such a
+    key is refused (``ShardingError``) rather than written as its codes and scales.
     ``progress``: ``True`` draws a progress bar (tqdm) on stderr; a callable is called as
     ``progress(done, total)`` with the bytes of tensor data written so far.
 
@@ -432,6 +436,7 @@ def unshard_to_safetensors(
     check_arg("unshard_to_safetensors", "max_shard_size", max_shard_size, int, optional=True)
     check_arg("unshard_to_safetensors", "dtype", dtype, torch.dtype, optional=True)
     check_arg("unshard_to_safetensors", "knobs", knobs, Knobs, optional=True)
+    check_bool("unshard_to_safetensors", "dequantize", dequantize)
     if max_shard_size is not None and max_shard_size <= 0:
         raise CheckpointError(f"unshard_to_safetensors: max_shard_size must be a positive number of bytes, got {max_shard_size}")
     if dtype is not None and dtype not in SAFETENSORS_CODE:
@@ -452,7 +457,7 @@ def unshard_to_safetensors(
     counts, groups, outputs = export_tensors(
         storage, meta, prefix=prefix, dtype=dtype, max_shard_size=max_shard_size,
         open_outputs=(lambda n: [single]) if folder is None else (lambda n: folder.outputs(n, knobs)),  # type: ignore[list-item,union-attr]
-        progress=progress_callback(progress, "unshard_to_safetensors"), knobs=knobs,
+        progress=progress_callback(progress, "unshard_to_safetensors"), knobs=knobs, dequantize=dequantize,
     )
     total = counts["bytes"]
     if folder is not None:

@@ -31,10 +31,12 @@ import torch
 
 from .._progress import Progress
 from ..adapters import describe_state
+from ..adapters.subclasses import inner_keys, is_record
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     MissingKeyError,
+    ShardingError,
 )
 from ..format.checksum import ChunkSums
 from ..format.dtypes import SAFETENSORS_CODE
@@ -47,6 +49,7 @@ from .bounds import check_files_hold
 from .buffers import WriteBehind, byte_view
 from .outputs import OutputFile
 from .reader import Reader
+from .subclass_values import DequantizedEntry, load_whole
 
 __all__ = ["FORMAT_TAG", "export_tensors"]
 
@@ -69,14 +72,17 @@ def export_tensors(
     open_outputs: Callable[[int], list[OutputFile]],
     progress: Progress | None,
     knobs: Knobs,
+    dequantize: bool = False,
 ) -> tuple[dict[str, int], list[list[str]], list[OutputFile]]:
     """Stream the tensors of the checkpoint ``meta`` describes (those under ``prefix``, without
     it) into safetensors files: one, or files of at most ``max_shard_size`` bytes each (tensors
     in name order; a larger tensor gets a file of its own). ``open_outputs(n)`` gives the ``n``
     files to write; each is published once written. Returns the counts, the tensor names of each
-    file and the files."""
-    tensors, values, skipped = _select(meta, prefix, storage.url)
-    check_files_hold(storage, tensors.values())  # before allocating from their sizes
+    file and the files. A tensor subclass is written as its high-precision tensor with
+    ``dequantize``, and refused without it."""
+    tensors, values, skipped = _select(meta, prefix, storage.url, dequantize)
+    check_files_hold(storage, [(k, tm) for k, tm in tensors.values() if not isinstance(tm, DequantizedEntry)]
+                     + [(ik, meta.tensors[ik]) for _, tm in tensors.values() if isinstance(tm, DequantizedEntry) for ik in tm.inner if ik in meta.tensors])
     file_meta = {FORMAT_TAG[0]: FORMAT_TAG[1], **{k: json.dumps(v, separators=(",", ":")) for k, v in values.items()}}
     cast = {name: _cast_to(tm.torch_dtype, dtype) for name, (_, tm) in tensors.items()}
     entries = {name: _entry(name, tm, cast[name]) for name, (_, tm) in tensors.items()}
@@ -153,8 +159,11 @@ def _write_file(
                     continue
                 behind.flush()  # the buffer's last tensor is written: reuse it
                 target = buf[: _numel(tm) * tm.torch_dtype.itemsize].view(tm.torch_dtype).view(tm.shape)
-                (lt,), _ = describe_state({key: target})
-                reader.load_tensor(tm, lt)
+                if isinstance(tm, DequantizedEntry):
+                    target.copy_(load_whole(reader, tm.meta, storage.url, key, dequantize=True))
+                else:
+                    (lt,), _ = describe_state({key: target})
+                    reader.load_tensor(tm, lt)
                 if to is not None and entry.nbytes:
                     converted = cbuf[: entry.nbytes].view(to).view(tm.shape)  # type: ignore[index]
                     converted.copy_(target)
@@ -216,12 +225,23 @@ class _Progress:
 
 
 def _select(
-    meta: StorageMetadata, prefix: str | None, where: str
-) -> tuple[dict[str, tuple[str, TensorStorageMetadata]], dict[str, Any], int]:
-    """Output name -> (stored key, metadata) for the selected tensors; selected JSON values; pickled count."""
-
-    tensors = {name: (key, meta.tensors[key]) for name, key in keys_under(meta.tensors, prefix).items()}
-    values = {name: meta.objects[key] for name, key in keys_under(meta.objects, prefix).items()}
+    meta: StorageMetadata, prefix: str | None, where: str, dequantize: bool = False
+) -> tuple[dict[str, tuple[str, Any]], dict[str, Any], int]:
+    """Output name -> (stored key, metadata) for the selected tensors (a subclass's stand-in
+    with ``dequantize``); selected JSON values; pickled count."""
+    inner = inner_keys(meta.objects)
+    tensors: dict[str, tuple[str, Any]] = {
+        name: (key, meta.tensors[key]) for name, key in keys_under([k for k in meta.tensors if k not in inner], prefix).items()
+    }
+    records = keys_under([k for k, v in meta.objects.items() if is_record(v)], prefix)
+    for name, key in records.items():
+        if not dequantize:
+            raise ShardingError(
+                f"{where}: key {key!r} is a {meta.objects[key]['class']}; pass dequantize=True to export its "
+                "high-precision values (--dequantize on the command line)"
+            )
+        tensors[name] = (key, DequantizedEntry(key, meta.objects[key], meta))
+    values = {name: meta.objects[key] for name, key in keys_under(meta.objects, prefix).items() if key not in records.values()}
     skipped = len(keys_under(meta.pickled_objects, prefix))
     if skipped:
         log.warning("%s: %d value(s) stored with pickle are not written to the safetensors file", where, skipped)
@@ -240,9 +260,11 @@ def _select(
     return tensors, values, skipped
 
 
-def _direct_runs(tm: TensorStorageMetadata) -> list[tuple[str, int, int, ChunkSums]] | None:
+def _direct_runs(tm: Any) -> list[tuple[str, int, int, ChunkSums]] | None:
     """If every chunk of ``tm`` is one contiguous run of the row-major tensor: the chunks as
     (file, byte start, bytes, checksums) in output order. Else None."""
+    if isinstance(tm, DequantizedEntry):  # built whole from its inner tensors
+        return None
     shape = tuple(tm.shape)
     strides = row_major_strides(shape)
     itemsize = tm.torch_dtype.itemsize

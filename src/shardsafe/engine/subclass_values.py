@@ -10,6 +10,7 @@ import torch
 from ..adapters import describe_state
 from ..adapters.subclasses import allocate, check_whole, dequantized
 from ..errors import CorruptCheckpointError, DtypeMismatchError, ShapeMismatchError
+from ..format.dtypes import torch_dtype
 from ..format.metadata import StorageMetadata
 from .reader import Reader
 
@@ -50,11 +51,11 @@ def check_dequantized(where: str, key: str, record: dict[str, Any], shape: tuple
 class DequantizedEntry:
     """A stored subclass as an export sees a tensor: its shape and high-precision dtype."""
 
-    def __init__(self, key: str, record: dict[str, Any]) -> None:
-        from ..format.dtypes import torch_dtype
-
+    def __init__(self, key: str, record: dict[str, Any], meta: StorageMetadata) -> None:
         self.key = key
         self.record = record
+        self.meta = meta
+        self.inner = [doc["key"] for doc in record["inner"].values()]
         self.shape = tuple(record["shape"])
         self.dtype = record["dtype"]
         self.torch_dtype = torch_dtype(record["dtype"])

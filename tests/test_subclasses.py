@@ -1,0 +1,411 @@
+"""Tensor subclasses (issue 25): torchao's NF4 weights, low-bit optimizer states (8-bit, 4-bit,
+FP8) and float8 all-gather weights, saved and loaded without pickle, resharded block by block,
+dequantized on request, and refused by name when unknown (inside a DTensor too).
+
+torchao's optimizers compile their step with torch.compile; the tests run it eagerly
+(``TORCHDYNAMO_DISABLE=1``), which computes the same values."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import shardsafe
+from shardsafe.errors import CheckpointError, DtypeMismatchError, ShardingError
+
+from .helpers import assert_bits, run_ranks
+from .sealing import seal
+
+torchao = pytest.importorskip("torchao")
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8  # noqa: E402
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4  # noqa: E402
+
+os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read by each torch.compile call: ranks set it too (_eager)
+
+
+def _eager() -> None:
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+
+NF4_PATH = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor.NF4Tensor"
+OPTIMS = {"8bit": AdamW8bit, "4bit": AdamW4bit, "fp8": AdamWFp8}
+
+
+def _inner(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    local = getattr(t, "_local_tensor", t)
+    names, _ = local.__tensor_flatten__()
+    return {n: getattr(local, n) for n in names}
+
+
+def _assert_same_subclass(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert type(got) is type(want), (what, type(got), type(want))
+    g, w = _inner(got), _inner(want)
+    assert list(g) == list(w), what
+    for n in w:
+        assert_bits(g[n], w[n], f"{what}#{n}")
+
+
+def _trained(opt_cls, shape=(256, 256), steps=2, seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(shape[1], shape[0]), torch.nn.Linear(shape[0], 8))
+    o = opt_cls(m.parameters())
+    for _ in range(steps):
+        m(torch.randn(4, shape[1])).sum().backward()
+        o.step()
+        o.zero_grad()
+    return m, o
+
+
+# ------------------------------------------------------------------ one process
+
+
+def test_nf4_round_trip_is_bit_exact_and_stored_as_plain_safetensors(tmp_path):
+    torch.manual_seed(0)
+    w = to_nf4(torch.randn(256, 256, dtype=torch.bfloat16), 64, 256)
+    shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": w, "step": 3})
+    meta = json.loads((tmp_path / "c" / "metadata.json").read_text())
+    assert sorted(meta["tensors"]) == sorted(f"w#{n}" for n in w.__tensor_flatten__()[0])
+    record = meta["objects"]["w"]
+    assert record["class"] == NF4_PATH and record["shape"] == [256, 256] and record["dtype"] == "bfloat16"
+    assert record["inner"]["quantized_data"] == {"key": "w#quantized_data", "block": [1, 2], "form": "flat", "dtype": "uint8"}
+    assert record["inner"]["quantized_scalers"]["block"] == [1, 64]
+    assert record["inner"]["quantization_factor"]["block"] == [64, 256]
+    assert record["inner"]["nf4"]["shared"] is True and record["inner"]["scaler_mean"]["shared"] is True
+    assert record["ctx"]["tensor_meta"]["fields"]["original_shape"] == {"$outer": "shape"}
+    assert not meta.get("pickled_objects")
+    # every data file is a safetensors file the official library reads, inner tensors as stored
+    found = {}
+    for name in os.listdir(tmp_path / "c"):
+        if name.endswith(".safetensors"):
+            with safe_open(str(tmp_path / "c" / name), "pt") as f:
+                found.update({k: f.get_tensor(k) for k in f.keys()})
+    assert_bits(found["w#quantized_data"], w.quantized_data.view(256, 128), "quantized_data")
+    assert_bits(found["w#quantized_scalers"], w.quantized_scalers.view(256, 4), "quantized_scalers")
+
+    target = to_nf4(torch.zeros(256, 256, dtype=torch.bfloat16), 64, 256)
+    sd = {"w": target, "step": 0}
+    shardsafe.Checkpointer().load(str(tmp_path / "c"), sd)
+    assert sd["w"] is target and sd["step"] == 3
+    _assert_same_subclass(target, w, "w")
+    assert_bits(target.get_original_weight(), w.get_original_weight(), "dequantized")
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMS))
+def test_low_bit_optimizer_resumes_bit_exact_without_a_dummy_step(tmp_path, kind):
+    opt_cls = OPTIMS[kind]
+    m, o = _trained(opt_cls)
+    shardsafe.save_model_and_optim_state(str(tmp_path), m, o)
+    m2, o2 = _trained(opt_cls, steps=0, seed=1)
+    assert not o2.state  # no state yet: shardsafe allocates the stored class
+    shardsafe.load_model_and_optim_state(str(tmp_path), m2, o2)
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        assert_bits(p2, p, "param")
+        for name, v in o.state[p].items():
+            if type(v) is torch.Tensor:
+                assert_bits(o2.state[p2][name], v, name)
+            else:
+                _assert_same_subclass(o2.state[p2][name], v, name)
+    assert type(o2.state[m2[0].weight]["exp_avg"]).__name__ == {"8bit": "OptimState8bit", "4bit": "OptimState4bit", "fp8": "OptimStateFp8"}[kind]
+    x = torch.randn(4, 256)
+    for mm, oo in ((m, o), (m2, o2)):  # the resumed run goes on as the uninterrupted one
+        mm(x).sum().backward()
+        oo.step()
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        assert_bits(p2, p, "param after a step")
+
+
+def test_dequantize_loads_low_bit_state_into_a_plain_optimizer(tmp_path):
+    m, o = _trained(AdamW8bit)
+    shardsafe.save_model_and_optim_state(str(tmp_path), m, o)
+    m2, _ = _trained(AdamW8bit, steps=0, seed=1)
+    o2 = torch.optim.AdamW(m2.parameters())
+    with pytest.raises(ShardingError, match=re.escape(
+        "key 'optim.state.0.weight.exp_avg' is stored as a torchao.optim.subclass_8bit.OptimState8bit (its inner tensors "
+        "under 'optim.state.0.weight.exp_avg#'...), the target is a plain tensor: load it into a "
+        "torchao.optim.subclass_8bit.OptimState8bit, or pass dequantize=True to load its high-precision values"
+    )):
+        shardsafe.Checkpointer().load(str(tmp_path), {"optim.state.0.weight.exp_avg": torch.zeros(256, 256)})
+    shardsafe.load_model_and_optim_state(str(tmp_path), m2, o2, validate=False, dequantize=True)
+    want = o.state[m[0].weight]["exp_avg"].dequantize()
+    got = o2.state[m2[0].weight]["exp_avg"]
+    assert type(got) is torch.Tensor
+    assert_bits(got, want, "dequantized exp_avg")
+    assert_bits(o2.state[m2[0].bias]["exp_avg"], o.state[m[0].bias]["exp_avg"], "plain state of a small parameter")
+    whole = shardsafe.Checkpointer().unshard(str(tmp_path), prefix="optim.state.0.weight.")
+    _assert_same_subclass(whole["exp_avg"], o.state[m[0].weight]["exp_avg"], "unshard")
+    assert "exp_avg#codes" not in whole
+    deq = shardsafe.Checkpointer().unshard(str(tmp_path), prefix="optim.state.0.weight.", dequantize=True)
+    assert_bits(deq["exp_avg"], want, "unshard dequantize")
+
+
+def test_mismatched_subclass_targets_are_refused_by_name(tmp_path):
+    m, o = _trained(AdamW8bit)
+    shardsafe.save_model_and_optim_state(str(tmp_path), m, o)
+    st = o.state[m[0].weight]
+    key = "optim.state.0.weight."
+    with pytest.raises(ShardingError, match=re.escape(
+        f"key '{key}exp_avg': the checkpoint holds a torchao.optim.subclass_8bit.OptimState8bit with flatten context "
+        "[True, {'__shardsafe__': 'dtype', 'v': 'float32'}], the target's is [False, {'__shardsafe__': 'dtype', 'v': "
+        "'float32'}]"
+    )):
+        shardsafe.Checkpointer().load(str(tmp_path), {key + "exp_avg": st["exp_avg_sq"]})
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    other_blocks = OptimState8bit.zeros((256, 256), signed=True, block_size=512)
+    with pytest.raises(ShardingError, match=re.escape(
+        f"key '{key}exp_avg': inner tensor 'scale' was saved with blocks of [1, 256] elements, the target has blocks of "
+        "[2, 256] (its local shape gives other blocks)"
+    )):
+        shardsafe.Checkpointer().load(str(tmp_path), {key + "exp_avg": other_blocks})
+    with pytest.raises(CheckpointError, match=re.escape(
+        f"key '{key}step': the target is a torchao.optim.subclass_8bit.OptimState8bit, the checkpoint holds a plain "
+        "tensor under that key; load it into a plain tensor"
+    )):
+        shardsafe.Checkpointer().load(str(tmp_path), {key + "step": OptimState8bit.zeros((256, 256))})
+    with pytest.raises(DtypeMismatchError, match=re.escape(
+        f"key '{key}exp_avg': the checkpoint's torchao.optim.subclass_8bit.OptimState8bit dequantizes to float32, the "
+        "target has bfloat16"
+    )):
+        shardsafe.Checkpointer().load(str(tmp_path), {key + "exp_avg": torch.zeros(256, 256, dtype=torch.bfloat16)}, dequantize=True)
+
+
+class Unknown(torch.Tensor):
+    pass
+
+
+def test_unknown_subclass_is_refused_naming_key_and_class(tmp_path):
+    t = torch.zeros(4).as_subclass(Unknown)
+    with pytest.raises(ShardingError, match=re.escape(
+        "key 'w': a tests.test_subclasses.Unknown is a torch.Tensor subclass shardsafe does not know"
+    )) as e:
+        shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": t})
+    assert "shardsafe.register_tensor_subclass" in str(e.value)
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
+def test_allow_list_names_torchao_classes_and_refuses_other_classes_in_a_record(tmp_path):
+    allowed = shardsafe.allowed_tensor_subclasses()
+    assert "torchao.optim.subclass_8bit.OptimState8bit" in allowed and NF4_PATH in allowed
+    m, o = _trained(AdamW8bit)
+    shardsafe.save_model_and_optim_state(str(tmp_path), m, o)
+    meta_path = tmp_path / "metadata.json"
+    doc = json.loads(meta_path.read_text())
+    doc["objects"]["optim.state.0.weight.exp_avg"]["class"] = "os.system"
+    meta_path.write_bytes(seal(doc))  # a crafted document, sealed as a writer seals one
+    with pytest.raises(CheckpointError, match=re.escape(
+        "key 'optim.state.0.weight.exp_avg' holds a 'os.system', which is not on the allow-list of tensor subclasses"
+    )):
+        shardsafe.Checkpointer().unshard(str(tmp_path), prefix="optim.state.0.weight.")
+
+
+def test_nf4_exports_dequantized_to_hugging_face_safetensors(tmp_path):
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 256, bias=False)
+    nf4 = to_nf4(base.weight.detach().to(torch.bfloat16), 64, 256)
+    m = torch.nn.Module()
+    m.base = torch.nn.Linear(256, 256, bias=False)
+    m.base.weight = torch.nn.Parameter(nf4, requires_grad=False)
+    m.lora_a = torch.nn.Linear(256, 8, bias=False)
+    shardsafe.save_model_and_optim_state(str(tmp_path / "c"), m)
+    with pytest.raises(ShardingError, match=re.escape(
+        f"key 'model.base.weight' is a {NF4_PATH}; pass dequantize=True to export its high-precision values"
+    )):
+        shardsafe.unshard_to_safetensors(str(tmp_path / "c"), str(tmp_path / "out.safetensors"), prefix="model.")
+    shardsafe.unshard_to_safetensors(str(tmp_path / "c"), str(tmp_path / "out.safetensors"), prefix="model.", dequantize=True)
+    with safe_open(str(tmp_path / "out.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["base.weight", "lora_a.weight"]
+        assert_bits(f.get_tensor("base.weight"), nf4.get_original_weight(), "exported base")
+        assert_bits(f.get_tensor("lora_a.weight"), m.lora_a.weight.detach(), "exported adapter")
+
+
+# ------------------------------------------------------------------ FSDP2 ranks
+
+
+def _nf4_lora_model(seed: int):
+    torch.manual_seed(seed)
+    m = torch.nn.Module()
+    m.base = torch.nn.Linear(256, 512, bias=False)
+    m.base.weight = torch.nn.Parameter(to_nf4(m.base.weight.detach().to(torch.bfloat16), 64, 256), requires_grad=False)
+    m.lora_a = torch.nn.Linear(256, 8, bias=False)
+    m.lora_b = torch.nn.Linear(8, 512, bias=False)
+    return m
+
+
+def _save_nf4_fsdp(rank, world, path):
+    from torch.distributed.fsdp import fully_shard
+
+    m = _nf4_lora_model(0)
+    fully_shard(m)
+    assert type(m.base.weight._local_tensor) is NF4Tensor
+    o = torch.optim.AdamW([m.lora_a.weight, m.lora_b.weight])
+    shardsafe.save_model_and_optim_state(path, m, o)
+
+
+def _load_nf4(rank, world, path):
+    m = _nf4_lora_model(1)
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(m)
+    shardsafe.load_model_and_optim_state(path, m, None, validate=False)
+    want = _nf4_lora_model(0)
+    w = m.base.weight
+    if world > 1:  # this rank's rows of the NF4 weight, block for block
+        local = w._local_tensor
+        rows = 512 // world
+        got = local.get_original_weight()
+        assert_bits(got, want.base.weight.get_original_weight()[rank * rows : (rank + 1) * rows], "NF4 rows")
+        assert_bits(m.lora_a.weight.full_tensor(), want.lora_a.weight.detach(), "lora_a")
+    else:
+        _assert_same_subclass(w, want.base.weight, "NF4")
+        assert_bits(m.lora_b.weight.detach(), want.lora_b.weight.detach(), "lora_b")
+    return True
+
+
+@pytest.mark.parametrize("load_world", [1, 4])
+def test_nf4_lora_under_fsdp2_saved_at_2_loads_at_1_and_4(tmp_path, load_world):
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_nf4_fsdp, path)
+    assert run_ranks(load_world, _load_nf4, path) == [True] * load_world
+
+
+def _lowbit_model(seed: int, rows: int = 64, cols: int = 256):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(cols, rows), torch.nn.Linear(rows, 8))
+
+
+def _save_lowbit_fsdp(rank, world, path, kind, rows, cols):
+    from torch.distributed.fsdp import fully_shard
+
+    _eager()
+    m = _lowbit_model(0, rows, cols)
+    fully_shard(m)
+    o = OPTIMS[kind](m.parameters())
+    torch.manual_seed(10 + rank)
+    for _ in range(2):
+        m(torch.randn(4, cols)).sum().backward()
+        o.step()
+        o.zero_grad()
+    assert type(o.state[m[0].weight]["exp_avg"]._local_tensor).__name__.startswith("OptimState")
+    shardsafe.save_model_and_optim_state(path, m, o)
+
+
+def _load_lowbit(rank, world, path, kind, rows, cols):
+    _eager()
+    m = _lowbit_model(1, rows, cols)
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(m)
+    o = OPTIMS[kind](m.parameters())
+    shardsafe.load_model_and_optim_state(path, m, o)
+    whole = shardsafe.Checkpointer().unshard(path, prefix="optim.state.0.weight.", no_dist=True)
+    st = o.state[m[0].weight]
+    for name in ("exp_avg", "exp_avg_sq"):
+        got = st[name]
+        local = getattr(got, "_local_tensor", got)
+        assert type(local) is type(whole[name]), (type(local), type(whole[name]))
+        n = rows // world
+        want = whole[name].dequantize()[rank * n : (rank + 1) * n]
+        assert_bits(local.dequantize().view(n, cols), want, f"{name} rows of rank {rank}")
+    return True
+
+
+@pytest.mark.parametrize("kind", ["8bit", "4bit"])
+@pytest.mark.parametrize("load_world", [1, 4])
+def test_low_bit_state_saved_at_2_ranks_resumes_at_1_and_4(tmp_path, kind, load_world):
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_lowbit_fsdp, path, kind, 64, 256)
+    assert run_ranks(load_world, _load_lowbit, path, kind, 64, 256) == [True] * load_world
+
+
+def _load_lowbit_expect_error(rank, world, path, kind, rows, cols):
+    _eager()
+    from torch.distributed.fsdp import fully_shard
+
+    m = _lowbit_model(1, rows, cols)
+    fully_shard(m)
+    o = OPTIMS[kind](m.parameters())
+    try:
+        shardsafe.load_model_and_optim_state(path, m, o)
+    except ShardingError as e:
+        return str(e)
+    return None
+
+
+def test_low_bit_state_is_refused_where_a_cut_falls_inside_a_block(tmp_path):
+    """128 x 64 parameters: 8-bit blocks of 256 elements are 4 rows; three ranks cut at rows 43 and 86."""
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_lowbit_fsdp, path, "8bit", 128, 64)
+    errors = run_ranks(3, _load_lowbit_expect_error, path, "8bit", 128, 64)
+    for e in errors:
+        assert e is not None and "key 'optim.state.0.weight.exp_avg'" in e and "blocks of [4, 64] elements" in e, e
+        assert "quantized state reshards only where cuts fall on block edges" in e, e
+
+
+def _save_float8_fsdp(rank, world, path):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    fully_shard(m)
+    assert type(m[0].weight._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor"
+    shardsafe.save_model_and_optim_state(path, m)
+
+
+def _load_float8_back(rank, world, path):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(5)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    fully_shard(m)
+    shardsafe.load_model_and_optim_state(path, m)
+    torch.manual_seed(0)
+    want = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    local = m[0].weight._local_tensor
+    assert type(local).__name__ == "WeightWithDynamicFloat8CastTensor"
+    rows = 64 // world
+    assert_bits(local._tensor, want[0].weight.detach()[rank * rows : (rank + 1) * rows], "float8 weight's high precision")
+    return True
+
+
+def test_float8_all_gather_weights_store_their_high_precision_tensor(tmp_path):
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_float8_fsdp, path)
+    meta = json.loads((tmp_path / "c" / "metadata.json").read_text())
+    assert sorted(meta["tensors"]) == ["model.0.weight", "model.1.weight"]  # no record: plain tensors
+    torch.manual_seed(0)
+    want = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    shardsafe.load_model_and_optim_state(path, plain)  # a model without float8
+    for p, q in zip(plain.parameters(), want.parameters()):
+        assert_bits(p.detach(), q.detach(), "float8 checkpoint into a plain model")
+    assert run_ranks(4, _load_float8_back, path) == [True] * 4
+
+
+def _unknown_in_dtensor(rank, world):
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.zeros(4).as_subclass(Unknown)
+    d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    try:
+        shardsafe.Checkpointer().save("/nonexistent-never-written", {"w": d})
+    except ShardingError as e:
+        return str(e)
+    return None
+
+
+def test_unknown_subclass_inside_a_dtensor_is_refused_by_name():
+    for msg in run_ranks(2, _unknown_in_dtensor):
+        assert msg is not None and (
+            "rank 0: ShardingError: key 'w': a tests.test_subclasses.Unknown (the local tensor of a DTensor) is a "
+            "torch.Tensor subclass shardsafe does not know"
+        ) in msg, msg
