@@ -409,3 +409,25 @@ def test_unknown_subclass_inside_a_dtensor_is_refused_by_name():
             "rank 0: ShardingError: key 'w': a tests.test_subclasses.Unknown (the local tensor of a DTensor) is a "
             "torch.Tensor subclass shardsafe does not know"
         ) in msg, msg
+
+
+def test_cli_export_refuses_nf4_without_dequantize_and_writes_it_with(tmp_path, capsys):
+    from shardsafe.cli import main
+
+    torch.manual_seed(0)
+    nf4 = to_nf4(torch.randn(256, 256, dtype=torch.bfloat16), 64, 256)
+    m = torch.nn.Module()
+    m.base = torch.nn.Linear(256, 256, bias=False)
+    m.base.weight = torch.nn.Parameter(nf4, requires_grad=False)
+    shardsafe.save_model_and_optim_state(str(tmp_path / "c"), m)
+    out = tmp_path / "m.safetensors"
+    assert main(["export", str(tmp_path / "c"), str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"shardsafe export: error: {tmp_path / 'c'}: key 'model.base.weight' is a {NF4_PATH}; pass dequantize=True to "
+        "export its high-precision values (--dequantize on the command line)\n"
+    )
+    assert not out.exists()
+    assert main(["export", str(tmp_path / "c"), str(out), "--dequantize"]) == 0
+    assert capsys.readouterr().out == f"exported 1 tensors (131.1 KB) to {out}\n"
+    with safe_open(str(out), "pt") as f:
+        assert_bits(f.get_tensor("base.weight"), nf4.get_original_weight(), "exported")

@@ -348,7 +348,7 @@ def cmd_export(args: argparse.Namespace, out: _Out) -> int:
         warnings.simplefilter("always", UserWarning)
         counts = unshard_to_safetensors(
             args.dir, args.out, prefix=prefix, overwrite=args.overwrite, max_shard_size=args.max_shard_size, dtype=dtype,
-            progress=out.progress("export"), config=args.config,
+            progress=out.progress("export"), config=args.config, dequantize=args.dequantize,
         )
     for w in caught:  # the folder has no config.json: said on stderr, in the command's words
         if "no config.json" in str(w.message):
@@ -506,6 +506,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating-point tensors to this dtype")
     s.add_argument("--config", metavar="PATH", help="with --max-shard-size: the model's config.json (or a folder holding one), "
                    "copied into OUT so that transformers' from_pretrained(OUT) builds the model")
+    s.add_argument("--dequantize", action="store_true", help="write quantized tensor subclasses (an NF4 base weight, 8-bit "
+                   "optimizer state) as their high-precision tensors; without it they are refused")
     s.add_argument("--overwrite", action="store_true", help="replace an existing output")
     s.set_defaults(run=cmd_export)
 
