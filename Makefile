@@ -108,6 +108,12 @@ bench-hf: $(BENCH_STAMP)
 bench-hf-quick: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_hf.py --quick
 
+# Tensor subclasses (issue 25): save and load with torchao's 8-bit optimizer state against plain
+# AdamW state, per byte of checkpoint, shardsafe and DCP in one run; one SUBCLASS line
+.PHONY: bench-subclasses
+bench-subclasses: $(STAMP)
+	$(PY) benchmarks/bench_subclasses.py --width 2048
+
 # The memory tier (issue 24): save blocking vs memcpy, time to safe vs a raw send, restore after a
 # node loss from peers' memory vs from the durable tier read cold; one MEMTIER line
 .PHONY: bench-memory bench-memory-quick

@@ -431,3 +431,18 @@ def test_cli_export_refuses_nf4_without_dequantize_and_writes_it_with(tmp_path, 
     assert capsys.readouterr().out == f"exported 1 tensors (131.1 KB) to {out}\n"
     with safe_open(str(out), "pt") as f:
         assert_bits(f.get_tensor("base.weight"), nf4.get_original_weight(), "exported")
+
+
+def test_async_save_of_low_bit_state_and_nf4_loads_bit_exact(tmp_path):
+    m, o = _trained(AdamW4bit)
+    nf4 = to_nf4(torch.randn(256, 256, dtype=torch.bfloat16), 64, 256)
+    m.add_module("frozen", torch.nn.Linear(256, 256, bias=False))
+    m.frozen.weight = torch.nn.Parameter(nf4, requires_grad=False)
+    for _ in range(2):  # the second save reuses the first one's descriptions of the plain tensors
+        shardsafe.async_save_model_and_optim_state(str(tmp_path / "c"), m, o, save_overwrite=True).wait()
+    m2, o2 = _trained(AdamW4bit, steps=0, seed=1)
+    m2.add_module("frozen", torch.nn.Linear(256, 256, bias=False))
+    m2.frozen.weight = torch.nn.Parameter(to_nf4(torch.zeros(256, 256, dtype=torch.bfloat16), 64, 256), requires_grad=False)
+    shardsafe.load_model_and_optim_state(str(tmp_path / "c"), m2, o2)
+    _assert_same_subclass(m2.frozen.weight, nf4, "NF4 after an async save")
+    _assert_same_subclass(o2.state[m2[0].weight]["exp_avg_sq"], o.state[m[0].weight]["exp_avg_sq"], "4-bit state")

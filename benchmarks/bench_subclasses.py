@@ -1,0 +1,144 @@
+"""Saving and loading a model with torchao's 8-bit optimizer state against the same model with
+plain AdamW state, per byte of checkpoint, in one run; torch.distributed.checkpoint measured on
+both beside it (issue 25: "costs no more per byte than a plain one").
+
+One process, a local directory (the page cache warm for every repetition, as for every
+method). Each method saves the same model and optimizer ``--reps`` times (overwriting) and loads
+it back in place as many times; the median is reported. Prints a table and one line:
+
+    SUBCLASS save_per_byte_x=... load_per_byte_x=... dcp_save_per_byte_x=... dcp_load_per_byte_x=... target_save<=1.0x:ok ...
+
+``*_per_byte_x`` = (seconds per byte with 8-bit state) / (seconds per byte with plain state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # torchao's optimizer step compiles itself; eager here
+
+import torch  # noqa: E402
+
+import shardsafe  # noqa: E402
+
+
+def _model(layers: int, width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def _optim(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "plain":
+        return torch.optim.AdamW(model.parameters())
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(model.parameters())
+
+
+def _stepped(kind: str, layers: int, width: int):
+    m = _model(layers, width)
+    o = _optim(kind, m)
+    m(torch.randn(4, width)).sum().backward()
+    o.step()
+    o.zero_grad()
+    return m, o
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _shardsafe(kind: str, root: str, layers: int, width: int, reps: int) -> tuple[float, float, int]:
+    m, o = _stepped(kind, layers, width)
+    path = os.path.join(root, f"shardsafe-{kind}")
+    save = _time(lambda: shardsafe.save_model_and_optim_state(path, m, o, save_overwrite=True), reps)
+    m2, o2 = _stepped(kind, layers, width)  # targets allocated once: every load fills the same memory
+    load = _time(lambda: shardsafe.load_model_and_optim_state(path, m2, o2), reps)
+    return save, load, _size(path)
+
+
+def _dcp(kind: str, root: str, layers: int, width: int, reps: int) -> tuple[float, float, int] | str:
+    import torch.distributed.checkpoint as dcp
+
+    m, o = _stepped(kind, layers, width)
+    path = os.path.join(root, f"dcp-{kind}")
+
+    def save() -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        dcp.save({"model": m.state_dict(), "optim": o.state_dict()}, checkpoint_id=path, no_dist=True)
+
+    m2, o2 = _stepped(kind, layers, width)
+    target = {"model": m2.state_dict(), "optim": o2.state_dict()}
+    try:
+        s = _time(save, reps)
+        ld = _time(lambda: dcp.load(target, checkpoint_id=path, no_dist=True), reps)
+    except Exception as e:  # the peer's failure is a result: reported, not raised
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return s, ld, _size(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="a small model, 2 repetitions (the smoke test)")
+    args = ap.parse_args()
+    if args.quick:
+        args.layers, args.width, args.reps = 2, 256, 2
+    root = tempfile.mkdtemp(prefix="bench-subclasses-")
+    try:
+        rows = {}
+        for lib in ("shardsafe", "dcp"):
+            for kind in ("plain", "8bit"):
+                fn = _shardsafe if lib == "shardsafe" else _dcp
+                rows[lib, kind] = fn(kind, root, args.layers, args.width, args.reps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    params = args.layers * (args.width * args.width + args.width)
+    print(f"model: {args.layers} x Linear({args.width}, {args.width}), {params * 4 / 2**20:.1f} MiB of fp32 parameters; "
+          f"median of {args.reps}")
+    print(f"{'method':<22}{'bytes':>14}{'save s':>10}{'load s':>10}{'save GB/s':>11}{'load GB/s':>11}")
+    for (lib, kind), r in rows.items():
+        if isinstance(r, str):
+            print(f"{lib + ' ' + kind:<22}  fails: {r}")
+            continue
+        s, ld, n = r
+        print(f"{lib + ' ' + kind:<22}{n:>14}{s:>10.3f}{ld:>10.3f}{n / s / 1e9:>11.2f}{n / ld / 1e9:>11.2f}")
+
+    def per_byte(lib: str, which: int) -> str:
+        a, b = rows[lib, "8bit"], rows[lib, "plain"]
+        if isinstance(a, str) or isinstance(b, str):
+            return "fails"
+        return f"{(a[which] / a[2]) / (b[which] / b[2]):.2f}"
+
+    fields = {
+        "save_per_byte_x": per_byte("shardsafe", 0), "load_per_byte_x": per_byte("shardsafe", 1),
+        "dcp_save_per_byte_x": per_byte("dcp", 0), "dcp_load_per_byte_x": per_byte("dcp", 1),
+    }
+    for lib in ("shardsafe", "dcp"):
+        r8 = rows[lib, "8bit"]
+        if not isinstance(r8, str):
+            fields[f"{lib}_8bit_bytes"] = str(r8[2])
+    targets = [f"target_{op}<=1.0x:{'ok' if float(fields[f'{op}_per_byte_x']) <= 1.0 else 'MISS'}" for op in ("save", "load")]
+    print("SUBCLASS " + " ".join(f"{k}={v}" for k, v in fields.items()) + " " + " ".join(targets))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
