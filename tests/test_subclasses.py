@@ -316,7 +316,7 @@ def _load_lowbit(rank, world, path, kind, rows, cols):
     return True
 
 
-@pytest.mark.parametrize("kind", ["8bit", "4bit"])
+@pytest.mark.parametrize("kind", ["8bit", "4bit", "fp8"])
 @pytest.mark.parametrize("load_world", [1, 4])
 def test_low_bit_state_saved_at_2_ranks_resumes_at_1_and_4(tmp_path, kind, load_world):
     path = str(tmp_path / "c")
