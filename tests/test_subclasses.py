@@ -446,3 +446,47 @@ def test_async_save_of_low_bit_state_and_nf4_loads_bit_exact(tmp_path):
     shardsafe.load_model_and_optim_state(str(tmp_path / "c"), m2, o2)
     _assert_same_subclass(m2.frozen.weight, nf4, "NF4 after an async save")
     _assert_same_subclass(o2.state[m2[0].weight]["exp_avg_sq"], o.state[m[0].weight]["exp_avg_sq"], "4-bit state")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.update(inner=[]), "names no inner tensors"),
+    (lambda r: r.update(shape="256"), "has shape '256'; expected a list of at most 64 non-negative integers"),
+    (lambda r: r["inner"]["scale"].update(key="model.0.weight"),
+     "stores inner tensor 'scale' as {'key': 'model.0.weight', 'block': [1, 256], 'form': 'flat', 'dtype': 'float32'}; "
+     "expected it under 'optim.state.0.weight.exp_avg#scale'"),
+    (lambda r: r["inner"]["scale"].update(block=[0, 256]), "gives inner tensor 'scale' blocks [0, 256]; expected 2 positive integers"),
+    (lambda r: r["inner"]["codes"].update(form="outer", block=[1, 2]), "gives inner tensor 'codes' form 'outer' with blocks [1, 2]"),
+    (lambda r: r.update(dtype="float128"), "has dtype 'float128', which safetensors does not store"),
+])
+@pytest.mark.parametrize("path", ["load", "unshard"])
+def test_a_damaged_record_is_refused_as_corrupt_naming_what(tmp_path, edit, message, path):
+    from shardsafe.errors import CorruptCheckpointError
+
+    m, o = _trained(AdamW8bit)
+    shardsafe.save_model_and_optim_state(str(tmp_path), m, o)
+    meta_path = tmp_path / "metadata.json"
+    doc = json.loads(meta_path.read_text())
+    edit(doc["objects"]["optim.state.0.weight.exp_avg"])
+    meta_path.write_bytes(seal(doc))
+    with pytest.raises(CorruptCheckpointError, match=re.escape(
+        f"key 'optim.state.0.weight.exp_avg': the tensor subclass record {message}"
+    )):
+        if path == "load":
+            m2, o2 = _trained(AdamW8bit, steps=0, seed=1)
+            shardsafe.load_model_and_optim_state(str(tmp_path), m2, o2)
+        else:
+            shardsafe.Checkpointer().unshard(str(tmp_path), prefix="optim.state.0.weight.")
+
+
+def test_a_context_class_that_is_not_a_dataclass_is_never_called(tmp_path):
+    torch.manual_seed(0)
+    w = to_nf4(torch.randn(256, 256, dtype=torch.bfloat16), 64, 256)
+    shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": w})
+    meta_path = tmp_path / "c" / "metadata.json"
+    doc = json.loads(meta_path.read_text())
+    doc["objects"]["w"]["ctx"]["tensor_meta"]["$class"] = NF4_PATH.rpartition(".")[0] + ".to_nf4"
+    meta_path.write_bytes(seal(doc))
+    with pytest.raises(CheckpointError, match=re.escape(
+        f"key 'w': the flatten context names '{NF4_PATH.rpartition('.')[0]}.to_nf4', which is not a dataclass"
+    )):
+        shardsafe.Checkpointer().unshard(str(tmp_path / "c"))

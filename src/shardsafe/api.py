@@ -214,7 +214,7 @@ def load_model_and_more(
         state: dict[str, Any] = {}
         if model is not None:
             check_model_keys(
-                stored_tensor_keys(meta.tensors, meta.objects), [i.fqn for i in [*params, *buffers]], storage.url, strict=validate
+                stored_tensor_keys(meta.tensors, meta.objects, storage.url), [i.fqn for i in [*params, *buffers]], storage.url, strict=validate
             )
             state = _model_values(params, buffers)
         if optim is not None:

@@ -28,7 +28,7 @@ from ..format.metadata import StorageMetadata
 from ..format.values import decode_objects
 from .keys import CLASS_KEY, GROUPS_KEY, STATE_PREFIX
 from .modules import ParamInfo
-from .subclasses import allocate, class_path, inner_keys, is_record
+from .subclasses import allocate, class_path, inner_keys, is_record, valid_record
 
 __all__ = [
     "CLASS_KEY", "GROUPS_KEY", "STATE_PREFIX", "check_param_groups", "optim_state", "optim_targets", "split_state_key",
@@ -126,7 +126,7 @@ def optim_targets(
     _check_groups(stored_groups, [[i.fqn for i, _ in g] for g in named], where, strict=strict)
     fqns = {info.fqn for g in named for info, _ in g}
     stored: dict[str, dict[str, str]] = {}  # fqn -> state name -> key
-    inner = inner_keys(meta.objects)
+    inner = inner_keys(meta.objects, where)
     for key in [*meta.tensors, *meta.objects, *meta.pickled_objects]:
         if key.startswith(STATE_PREFIX) and key not in inner:
             fqn, name = split_state_key(key, fqns)
@@ -248,6 +248,7 @@ def _subclass_target(
     """The tensor to load the subclass state ``key`` into: the optimizer's own if it is of the
     stored class, else a new one of that class laid out like ``p`` (plain, of the stored
     dtype, with ``dequantize``)."""
+    valid_record(where, key, record)
     if tuple(record["shape"]) != _param_shape(info):
         raise ShapeMismatchError(
             f"{where}: key {key!r}: checkpoint holds optimizer state of shape {record['shape']} for parameter "

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError, ShardingError
-from ..format.dtypes import dtype_name, torch_dtype
+from ..format.dtypes import SAFETENSORS_CODE, dtype_name, torch_dtype
 from ..format.values import TAG, decode_value, encode_value
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "register_tensor_subclass", "rule_for",
 ]
 
+_DTYPE_NAMES = frozenset(str(d).removeprefix("torch.") for d in SAFETENSORS_CODE)
 INNER_SEP = "#"
 """Between a subclass's key and an inner tensor's name: ``optim.state.w.exp_avg#codes``."""
 RECORD_TAG = "tensor_subclass"
@@ -245,7 +246,14 @@ def _ctx_value(key: str, doc: Any, shape: tuple[int, ...], modules: set[str], de
                         f"key {key!r}: the flatten context names class {path!r}, which is not in the module of an "
                         "allow-listed subclass; shardsafe imports no other class"
                     )
-                return _import(key, path)(**{k: walk(x) for k, x in v["fields"].items()})
+                cls = _import(key, path)
+                fields = v["fields"]
+                if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)) or not isinstance(fields, dict):
+                    raise CheckpointError(f"key {key!r}: the flatten context names {path!r}, which is not a dataclass")
+                try:
+                    return cls(**{k: walk(x) for k, x in fields.items()})
+                except TypeError as e:
+                    raise CorruptCheckpointError(f"key {key!r}: the flatten context's {path} cannot be built: {e}") from None
             return {k: walk(x) for k, x in v.items()}
         if type(v) in (list, tuple):
             return type(v)(walk(x) for x in v)
@@ -354,6 +362,7 @@ def check_record(where: str, key: str, stored: Any, target: dict[str, Any]) -> N
             f"{where}: key {key!r}: the target is a {target['class']}, the checkpoint holds "
             f"{'a plain tensor' if stored is None else 'a value'} under that key; load it into a plain tensor"
         )
+    valid_record(where, key, stored)
     for field, what in (("class", "class"), ("shape", "global shape"), ("dtype", "dtype"), ("ctx", "flatten context")):
         if stored.get(field) != target[field]:
             err = ShardingError if field != "class" else CheckpointError
@@ -380,14 +389,53 @@ def check_record(where: str, key: str, stored: Any, target: dict[str, Any]) -> N
             )
 
 
-def inner_keys(objects: dict[str, Any]) -> dict[str, str]:
-    """Inner-tensor key -> its subclass's key, for every record in ``objects``."""
+def _ints(v: Any, *, positive: bool) -> bool:
+    return isinstance(v, list) and all(type(x) is int and (x > 0 if positive else x >= 0) for x in v)
+
+
+def valid_record(where: str, key: str, v: Any) -> dict[str, Any]:
+    """``v``, the stored record of ``key``, if it is well formed; else ``CorruptCheckpointError``
+    naming what is wrong. Inner tensors must be stored under ``<key>#<name>``."""
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: key {key!r}: the tensor subclass record {what}")
+
+    if not is_record(v):
+        raise bad("is not an object tagged tensor_subclass")
+    if not isinstance(v.get("class"), str) or not v["class"]:
+        raise bad(f"names no class ({v.get('class')!r})")
+    if not _ints(v.get("shape"), positive=False) or len(v["shape"]) > 64:
+        raise bad(f"has shape {v.get('shape')!r}; expected a list of at most 64 non-negative integers")
+    if v.get("dtype") not in _DTYPE_NAMES:
+        raise bad(f"has dtype {v.get('dtype')!r}, which safetensors does not store")
+    inner = v.get("inner")
+    if not isinstance(inner, dict) or not inner:
+        raise bad("names no inner tensors")
+    for name, doc in inner.items():
+        if not isinstance(doc, dict) or doc.get("key") != f"{key}{INNER_SEP}{name}":
+            raise bad(f"stores inner tensor {name!r} as {doc!r}; expected it under {key + INNER_SEP + name!r}")
+        if doc.get("dtype") not in _DTYPE_NAMES:
+            raise bad(f"gives inner tensor {name!r} dtype {doc.get('dtype')!r}, which safetensors does not store")
+        if doc.get("shared") is True:
+            if not _ints(doc.get("shape"), positive=False) or len(doc["shape"]) > 64:
+                raise bad(f"gives shared inner tensor {name!r} shape {doc.get('shape')!r}")
+            continue
+        block = doc.get("block")
+        if not _ints(block, positive=True) or len(block) != len(v["shape"]):
+            raise bad(f"gives inner tensor {name!r} blocks {block!r}; expected {len(v['shape'])} positive integers")
+        if doc.get("form") not in ("outer", "flat") or (doc["form"] == "outer" and any(b != 1 for b in block)):
+            raise bad(f"gives inner tensor {name!r} form {doc.get('form')!r} with blocks {block}")
+    return v
+
+
+def inner_keys(objects: dict[str, Any], where: str) -> dict[str, str]:
+    """Inner-tensor key -> its subclass's key, for every record in ``objects`` (each checked:
+    ``CorruptCheckpointError`` for a damaged one)."""
     out = {}
     for key, v in objects.items():
-        if is_record(v) and isinstance(v.get("inner"), dict):
-            for doc in v["inner"].values():
-                if isinstance(doc, dict) and isinstance(doc.get("key"), str):
-                    out[doc["key"]] = key
+        if is_record(v):
+            for doc in valid_record(where, key, v)["inner"].values():
+                out[doc["key"]] = key
     return out
 
 
@@ -398,7 +446,8 @@ def allocate(where: str, key: str, record: dict[str, Any], shape: tuple[int, ...
     """A new value of the recorded class, of ``shape`` (default: the whole tensor), whose inner
     tensors (returned by name, shaped as stored) are zeros to be filled by a load. Imports the
     class only if it is on the allow-list."""
-    path = record.get("class")
+    valid_record(where, key, record)
+    path = record["class"]
     if path not in _RULES:
         raise CheckpointError(
             f"{where}: key {key!r} holds a {path!r}, which is not on the allow-list of tensor subclasses "
@@ -426,7 +475,13 @@ def allocate(where: str, key: str, record: dict[str, Any], shape: tuple[int, ...
         g = torch.zeros(grid, dtype=dtype, device=device)
         grids[name] = g
         inner[name] = g.view(shape) if doc["form"] == "outer" else g.view(-1)
-    value = cls.__tensor_unflatten__(inner, ctx, torch.Size(shape), _contiguous(shape))
+    try:
+        value = cls.__tensor_unflatten__(inner, ctx, torch.Size(shape), _contiguous(shape))
+    except Exception as e:  # the class's own checks of a stored context and inner tensors
+        raise CorruptCheckpointError(
+            f"{where}: key {key!r}: {path}.__tensor_unflatten__ refused the stored context and inner tensors "
+            f"({type(e).__name__}: {e})"
+        ) from None
     return value, grids
 
 
@@ -458,8 +513,8 @@ def check_whole(where: str, key: str, record: dict[str, Any]) -> None:
             )
 
 
-def stored_tensor_keys(tensors: Any, objects: dict[str, Any]) -> list[str]:
+def stored_tensor_keys(tensors: Any, objects: dict[str, Any], where: str) -> list[str]:
     """The keys a checkpoint stores tensors under, as a state dict has them: a subclass's key,
     not its inner tensors' keys."""
-    inner = inner_keys(objects)
+    inner = inner_keys(objects, where)
     return [k for k in tensors if k not in inner] + [k for k, v in objects.items() if is_record(v)]

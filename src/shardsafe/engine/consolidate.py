@@ -229,7 +229,7 @@ def _select(
 ) -> tuple[dict[str, tuple[str, Any]], dict[str, Any], int]:
     """Output name -> (stored key, metadata) for the selected tensors (a subclass's stand-in
     with ``dequantize``); selected JSON values; pickled count."""
-    inner = inner_keys(meta.objects)
+    inner = inner_keys(meta.objects, where)
     tensors: dict[str, tuple[str, Any]] = {
         name: (key, meta.tensors[key]) for name, key in keys_under([k for k in meta.tensors if k not in inner], prefix).items()
     }
@@ -237,7 +237,7 @@ def _select(
     for name, key in records.items():
         if not dequantize:
             raise ShardingError(
-                f"{where}: key {key!r} is a {meta.objects[key]['class']}; pass dequantize=True to export its "
+                f"{where}: key {key!r} is a {meta.objects[key].get('class')}; pass dequantize=True to export its "
                 "high-precision values (--dequantize on the command line)"
             )
         tensors[name] = (key, DequantizedEntry(key, meta.objects[key], meta))

@@ -83,8 +83,8 @@ def check_targets(meta: Any, tensors: list[LocalTensor], objects: list[str], whe
         if stored is None:
             if t.subclass is None and is_record(record := getattr(meta, "objects", {}).get(t.key)):
                 raise ShardingError(
-                    f"{where}: key {t.key!r} is stored as a {record['class']} (its inner tensors under "
-                    f"{t.key + INNER_SEP!r}...), the target is a plain tensor: load it into a {record['class']}, or "
+                    f"{where}: key {t.key!r} is stored as a {record.get('class')} (its inner tensors under "
+                    f"{t.key + INNER_SEP!r}...), the target is a plain tensor: load it into a {record.get('class')}, or "
                     "pass dequantize=True to load its high-precision values"
                 )
             raise MissingKeyError(f"{where}: key {t.key!r} is not in the checkpoint ({len(meta.tensors)} tensors stored)")
@@ -193,7 +193,7 @@ def unshard_state(
         return {}
     device = torch.device(device) if device is not None else torch.device("cpu")
     out: dict[str, Any] = {}
-    inner = inner_keys(meta.objects)
+    inner = inner_keys(meta.objects, storage.url)
     selected = keys_under([k for k in meta.tensors if k not in inner], prefix)
     wholes = keys_under([k for k, v in meta.objects.items() if is_record(v)], prefix)
     wanted = keys_under([*[k for k, v in meta.objects.items() if not is_record(v)], *meta.pickled_objects], prefix)

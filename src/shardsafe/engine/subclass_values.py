@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..adapters import describe_state
-from ..adapters.subclasses import allocate, check_whole, dequantized
+from ..adapters.subclasses import allocate, check_whole, dequantized, valid_record
 from ..errors import CorruptCheckpointError, DtypeMismatchError, ShapeMismatchError
 from ..format.dtypes import torch_dtype
 from ..format.metadata import StorageMetadata
@@ -20,7 +20,7 @@ __all__ = ["DequantizedEntry", "load_whole"]
 def load_whole(reader: Reader, meta: StorageMetadata, where: str, key: str, *, dequantize: bool) -> torch.Tensor:
     """The whole value of the subclass stored under ``key``: the subclass itself, or with
     ``dequantize`` its high-precision tensor. Every inner byte is read and checked."""
-    record = meta.objects[key]
+    record = valid_record(where, key, meta.objects[key])
     check_whole(where, key, record)
     value, grids = allocate(where, key, record)
     for name, grid in grids.items():
@@ -39,6 +39,7 @@ def load_whole(reader: Reader, meta: StorageMetadata, where: str, key: str, *, d
 
 
 def check_dequantized(where: str, key: str, record: dict[str, Any], shape: tuple[int, ...], dtype_name: str) -> None:
+    valid_record(where, key, record)
     if tuple(record["shape"]) != tuple(shape):
         raise ShapeMismatchError(f"{where}: key {key!r}: checkpoint has global shape {record['shape']}, target has {list(shape)}")
     if record["dtype"] != dtype_name:
