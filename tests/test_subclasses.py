@@ -490,3 +490,48 @@ def test_a_context_class_that_is_not_a_dataclass_is_never_called(tmp_path):
         f"key 'w': the flatten context names '{NF4_PATH.rpartition('.')[0]}.to_nf4', which is not a dataclass"
     )):
         shardsafe.Checkpointer().unshard(str(tmp_path / "c"))
+
+
+def test_dcp_plugin_refuses_quantized_subclasses_by_name_and_stores_float8_weights(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    import shardsafe.dcp as sdcp
+
+    state = OptimState8bit.zeros((256, 256))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as e:  # DCP wraps every rank's error (a BaseException)
+        dcp.save({"w": state}, storage_writer=sdcp.StorageWriter(str(tmp_path / "q")), no_dist=True)
+    from .helpers import dcp_failure
+
+    err = dcp_failure(e.value)
+    assert type(err) is ShardingError and str(err) == (
+        "key 'w': a torchao.optim.subclass_8bit.OptimState8bit is a tensor subclass; DCP's planner sees it as one "
+        "tensor, not the inner tensors it holds, so shardsafe.dcp cannot store it. Save it with shardsafe.Checkpointer "
+        "or shardsafe.save_model_and_optim_state, which store allow-listed subclasses by their inner tensors (README, "
+        "Tensor subclasses)"
+    )
+    assert not (tmp_path / "q" / "metadata.json").exists()
+
+    torch.manual_seed(0)
+    high = torch.randn(64, 64)
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    w = WeightWithDynamicFloat8CastTensor(high.clone(), LinearMMConfig(), torch.float8_e4m3fn)
+    dcp.save({"w": w}, storage_writer=sdcp.StorageWriter(str(tmp_path / "f")), no_dist=True)
+    plain = torch.zeros(64, 64)
+    dcp.load({"w": plain}, storage_reader=sdcp.StorageReader(str(tmp_path / "f")), no_dist=True)
+    assert_bits(plain, high, "float8 weight through the DCP plugin")
+    target = WeightWithDynamicFloat8CastTensor(torch.zeros(64, 64), LinearMMConfig(), torch.float8_e4m3fn)
+    dcp.load({"w": target}, storage_reader=sdcp.StorageReader(str(tmp_path / "f")), no_dist=True)
+    assert_bits(target._tensor, high, "back into a float8 weight")
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"w": OptimState8bit.zeros((64, 64))}, storage_reader=sdcp.StorageReader(str(tmp_path / "f")), no_dist=True)
+    err = dcp_failure(e.value)
+    assert type(err) is ShardingError and str(err).startswith(
+        "key 'w': the target is a torchao.optim.subclass_8bit.OptimState8bit, a tensor subclass; DCP's planner sees one "
+        "tensor, not the inner tensors it holds, so shardsafe.dcp will not write into it (that would quantize the "
+        "values again)"
+    ), err

@@ -46,6 +46,7 @@ from torch.futures import Future
 
 from .._args import check_bool
 from ..adapters import LocalTensor
+from ..adapters.subclasses import class_path, rule_for, unwrap
 from ..engine.background import wait_for_location
 from ..engine.file_index import bind_files
 from ..engine.foreign import missing_metadata_error
@@ -56,6 +57,7 @@ from ..errors import (
     ForeignCheckpointError,
     IncompleteCheckpointError,
     ShapeMismatchError,
+    ShardingError,
     StorageError,
 )
 from ..format.dtypes import dtype_name
@@ -185,7 +187,7 @@ class StorageReader(Located, _DcpStorageReader):
                 if it.type == LoadItemType.BYTE_IO:
                     continue
                 seg, dtype = ckpt.segment(it)
-                dest = planner.resolve_tensor(it).detach()
+                dest = _plain_target(it.dest_index.fqn, planner.resolve_tensor(it)).detach()
                 lengths = tuple(it.lengths)
                 if tuple(dest.shape) != lengths:
                     raise ShapeMismatchError(
@@ -232,7 +234,7 @@ class StorageReader(Located, _DcpStorageReader):
                     part = src
                     for d, (o, n) in enumerate(zip(it.storage_offsets, it.lengths)):
                         part = part.narrow(d, o, n)
-                    dest = planner.resolve_tensor(it).detach()
+                    dest = _plain_target(it.dest_index.fqn, planner.resolve_tensor(it)).detach()
                     if dest.shape != part.shape:
                         raise ShapeMismatchError(
                             f"key {it.dest_index.fqn!r}: the load planner resolved a target of shape {list(dest.shape)} for a read of {list(part.shape)}"
@@ -243,6 +245,22 @@ class StorageReader(Located, _DcpStorageReader):
                 del src
         finally:
             storage.close()
+
+
+def _plain_target(key: str, dest: torch.Tensor) -> torch.Tensor:
+    """``dest`` itself, the tensor a float8 all-gather weight wraps, or ``ShardingError`` for
+    another tensor subclass: writing into it through DCP's planner would quantize the loaded
+    values again (or fail inside the class)."""
+    if type(dest) in (torch.Tensor, torch.nn.Parameter):
+        return dest
+    wrapped = unwrap(key, dest) if rule_for(type(dest)) is not None else None
+    if wrapped is None:
+        raise ShardingError(
+            f"key {key!r}: the target is a {class_path(type(dest))}, a tensor subclass; DCP's planner sees one tensor, "
+            "not the inner tensors it holds, so shardsafe.dcp will not write into it (that would quantize the values "
+            "again). Load with shardsafe.Checkpointer or shardsafe.load_model_and_optim_state (README, Tensor subclasses)"
+        )
+    return wrapped
 
 
 def _chunk_order(ckpt: distcp.DcpCheckpoint, chunk: tuple[str, tuple[int, ...]]) -> tuple[str, int]:
