@@ -8,8 +8,6 @@ machine with one. float8 matmuls need a GPU that has them (compute capability 8.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -97,8 +95,8 @@ def test_float8_all_gather_training_saved_at_2_gpus_resumes_on_1(tmp_path):
     assert all(abs(a - b) <= 1e-3 * max(1.0, abs(b)) for a, b in zip(rest, whole[SAVE_AT:])), (rest, whole[SAVE_AT:])
 
 
-def test_adamw8bit_state_on_cuda_resumes_in_place_bit_exact(tmp_path):
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+def test_adamw8bit_state_on_cuda_resumes_in_place_bit_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     from torchao.optim import AdamW8bit
 
     def run(seed: int):

@@ -26,10 +26,15 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noq
 from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8  # noqa: E402
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4  # noqa: E402
 
-os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read by each torch.compile call: ranks set it too (_eager)
+
+@pytest.fixture(autouse=True)
+def _eager_steps(monkeypatch):
+    """torchao's optimizers compile their step; TORCHDYNAMO_DISABLE (read by each torch.compile
+    call) runs it eagerly, for this test only: other tests of the same worker compile."""
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
 
 
-def _eager() -> None:
+def _eager() -> None:  # in a rank's own process
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
 
 NF4_PATH = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor.NF4Tensor"
