@@ -540,3 +540,14 @@ def test_dcp_plugin_refuses_quantized_subclasses_by_name_and_stores_float8_weigh
         "tensor, not the inner tensors it holds, so shardsafe.dcp will not write into it (that would quantize the "
         "values again)"
     ), err
+
+
+def test_a_subclass_key_loaded_as_a_value_is_refused_naming_its_class(tmp_path):
+    w = to_nf4(torch.randn(256, 256, dtype=torch.bfloat16), 64, 256)
+    shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": w})
+    with pytest.raises(ShardingError, match=re.escape(
+        f"key 'w': the stored value at key path  (the value itself) is a {NF4_PATH} tensor subclass (its inner tensors "
+        "are stored beside it, docs/format.md section 14), not a value: load it into a tensor of its class, or with "
+        "dequantize=True into a plain tensor"
+    )):
+        shardsafe.Checkpointer().load(str(tmp_path / "c"), {"w": {"not": "a tensor"}})

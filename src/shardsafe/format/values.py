@@ -26,6 +26,9 @@ tag             value
 ``pickle``      ``b64`` of a pickle: only with the caller's opt-in, on save and on load
 ==============  =================================================================
 
+A tensor subclass's record (``tensor_subclass``, ``docs/format.md`` §14) uses the same key: it is
+read by the adapters, never decoded as a value.
+
 An enum is decoded only when its module is already imported (a checkpoint never makes the
 reader import a module), except Megatron's own (``ModelType``, ``AttnBackend``, ``Rerun*``): those
 are megatron-core's classes where it is importable, and stand-ins with the same member names and
@@ -59,7 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, PickleNotAllowedError
+from ..errors import CheckpointError, CorruptCheckpointError, PickleNotAllowedError, ShardingError
 from .safe_pickle import megatron_enum
 from .strict_json import MAX_DEPTH, nesting_exceeds
 
@@ -240,6 +243,13 @@ class _Decoder:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             raise self.bad(path, f"{tag!r} value: {type(e).__name__}: {e}") from None
+
+    def _tag_tensor_subclass(self, v: dict, path: tuple) -> Any:
+        raise ShardingError(
+            f"{self.where}: the stored value at key path {_path(path)} is a {v.get('class')} tensor subclass (its inner "
+            "tensors are stored beside it, docs/format.md section 14), not a value: load it into a tensor of its class, or "
+            "with dequantize=True into a plain tensor"
+        )
 
     def _items(self, v: dict, path: tuple) -> list:
         items = v["items"]
