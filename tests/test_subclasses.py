@@ -551,3 +551,21 @@ def test_a_subclass_key_loaded_as_a_value_is_refused_naming_its_class(tmp_path):
         "dequantize=True into a plain tensor"
     )):
         shardsafe.Checkpointer().load(str(tmp_path / "c"), {"w": {"not": "a tensor"}})
+
+
+def test_a_sharded_tensor_of_a_quantized_subclass_is_refused_and_of_a_float8_weight_stored(tmp_path):
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    st = shardsafe.ShardedTensor("s", OptimState8bit.zeros((256, 256)), (512, 256), (0, 0), (256, 256))
+    with pytest.raises(ShardingError, match=re.escape(
+        "key 's': the data of this ShardedTensor is a torchao.optim.subclass_8bit.OptimState8bit; shardsafe stores its "
+        "blocks for a DTensor or a plain tensor holding it, not for a ShardedTensor's box or flattened range"
+    )):
+        shardsafe.Checkpointer().save(str(tmp_path / "q"), {"s": st})
+    high = torch.randn(4, 8)
+    w = WeightWithDynamicFloat8CastTensor(high.clone(), LinearMMConfig(), torch.float8_e4m3fn)
+    shardsafe.Checkpointer().save(str(tmp_path / "f"), {"w": shardsafe.ShardedTensor("w", w, (4, 8), (0, 0), (4, 8))})
+    out = shardsafe.Checkpointer().unshard(str(tmp_path / "f"))
+    assert_bits(out["w"], high, "float8 weight in a ShardedTensor")

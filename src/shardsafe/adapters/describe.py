@@ -202,8 +202,20 @@ def _add_pieces(into: LocalTensor, more: LocalTensor, first: str, name: str) -> 
 
 def _describe(name: str, value: Any, targets: bool) -> LocalTensor | Described | None:
     if isinstance(value, ShardedTensor):
-        _check_tensor(value.key, value.data)
-        data = value.data.detach()
+        data = value.data
+        if type(data) not in (torch.Tensor, torch.nn.Parameter):
+            wrapped = unwrap(value.key, data) if rule_for(type(data)) is not None else None
+            if wrapped is None and rule_for(type(data)) is None:
+                raise refuse_unknown(value.key, type(data), " (the data of a ShardedTensor)")
+            if wrapped is None:
+                raise ShardingError(
+                    f"key {value.key!r}: the data of this ShardedTensor is a {type(data).__module__}."
+                    f"{type(data).__qualname__}; shardsafe stores its blocks for a DTensor or a plain tensor holding it, "
+                    "not for a ShardedTensor's box or flattened range"
+                )
+            data = wrapped
+        _check_tensor(value.key, data)
+        data = data.detach()
         flat = None
         if value.flattened_range is not None:
             flat = (value.flattened_range.start, value.flattened_range.stop)
