@@ -569,3 +569,59 @@ def test_a_sharded_tensor_of_a_quantized_subclass_is_refused_and_of_a_float8_wei
     shardsafe.Checkpointer().save(str(tmp_path / "f"), {"w": shardsafe.ShardedTensor("w", w, (4, 8), (0, 0), (4, 8))})
     out = shardsafe.Checkpointer().unshard(str(tmp_path / "f"))
     assert_bits(out["w"], high, "float8 weight in a ShardedTensor")
+
+
+class RowQuantized(torch.Tensor):
+    """A user's own traceable wrapper subclass: int8 codes and one scale per row."""
+
+    @staticmethod
+    def __new__(cls, q: torch.Tensor, s: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, q.shape, dtype=torch.float32, device=q.device)
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor) -> None:
+        self.q, self.s = q, s
+
+    def __tensor_flatten__(self):
+        return ["q", "s"], {"rows": self.q.shape[0]}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return RowQuantized(inner["q"], inner["s"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"RowQuantized has no {func}")
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.s[:, None]
+
+
+def test_a_registered_class_of_ones_own_round_trips_and_an_unregistered_one_is_refused(tmp_path, monkeypatch):
+    from shardsafe.adapters import subclasses
+
+    monkeypatch.setattr(subclasses, "_RULES", dict(subclasses._RULES))  # the registration ends with the test
+    torch.manual_seed(0)
+    value = RowQuantized(torch.randint(-128, 127, (8, 16), dtype=torch.int8), torch.rand(8))
+    with pytest.raises(ShardingError, match=re.escape(
+        "key 'w': a tests.test_subclasses.RowQuantized is a torch.Tensor subclass shardsafe does not know"
+    )):
+        shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": value})
+    with pytest.raises(CheckpointError, match=re.escape(
+        "tests.test_subclasses.Unknown has no __tensor_flatten__/__tensor_unflatten__: only traceable wrapper "
+        "subclasses can be registered"
+    )):
+        shardsafe.register_tensor_subclass(Unknown)
+    shardsafe.register_tensor_subclass(RowQuantized)
+    assert "tests.test_subclasses.RowQuantized" in shardsafe.allowed_tensor_subclasses()
+    shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": value})
+    record = json.loads((tmp_path / "c" / "metadata.json").read_text())["objects"]["w"]
+    assert record["ctx"] == {"rows": 8}
+    assert record["inner"]["s"] == {"key": "w#s", "block": [1, 16], "form": "flat", "dtype": "float32"}
+    target = RowQuantized(torch.zeros(8, 16, dtype=torch.int8), torch.zeros(8))
+    shardsafe.Checkpointer().load(str(tmp_path / "c"), {"w": target})
+    _assert_same_subclass(target, value, "RowQuantized")
+    whole = shardsafe.Checkpointer().unshard(str(tmp_path / "c"))["w"]
+    _assert_same_subclass(whole, value, "rebuilt by __tensor_unflatten__")
+    plain = torch.zeros(8, 16)
+    shardsafe.Checkpointer().load(str(tmp_path / "c"), {"w": plain}, dequantize=True)
+    assert_bits(plain, value.dequantize(), "dequantized")
