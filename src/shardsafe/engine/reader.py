@@ -46,6 +46,11 @@ _WINDOW = 64  # tasks in flight in load_tensors (in-place reads need no memory; 
 # it from L3 or memory again. One rank alone, page cache to tensor, with XXH3: 0.14 ms per MiB in
 # 32 MiB steps, 0.10 in 1 MiB steps (reading alone: 0.07; hashing alone: 0.035).
 _HOT_BYTES = 1 << 20
+# From local storage a read of at most this many bytes runs on the calling thread: handing it to
+# the pool costs more than the read (a queue, a wake-up, the GIL passed back and forth), and a
+# load of many small tensors (a quantized optimizer state's scales and tables, steps, biases)
+# spent most of its time there.
+_INLINE_BYTES = 64 << 10
 _DONE: Future = Future()  # a finished future: the end of a target's reads in load_planned's queue, and a task run inline that succeeded
 _DONE.set_result(None)
 
@@ -180,9 +185,10 @@ class Reader:
             for items, target in batches:
                 itemsize = target.dtype.itemsize
                 for item in items:
+                    inline = self.hot is not None and prod(item.lengths) * itemsize <= _INLINE_BYTES
                     for part in self._split(item, itemsize, target):
                         for task in self._tasks(part, target):
-                            pending.append((target.key, self._submit(task), None))
+                            pending.append((target.key, self._run(task) if inline else self._submit(task), None))
                             while len(pending) > _WINDOW:
                                 pop()
                 if done is not None:
@@ -210,6 +216,11 @@ class Reader:
     def _submit(self, task: Callable[[], None]) -> Future:
         if self.pool is not None:
             return self.pool.submit(task)
+        return self._run(task)
+
+    @staticmethod
+    def _run(task: Callable[[], None]) -> Future:
+        """``task`` run here, as a finished future (its error raised by ``_finish``, in order)."""
         try:
             task()
         except BaseException as e:  # noqa: BLE001 - raised by _finish, in order
