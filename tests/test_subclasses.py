@@ -625,3 +625,18 @@ def test_a_registered_class_of_ones_own_round_trips_and_an_unregistered_one_is_r
     plain = torch.zeros(8, 16)
     shardsafe.Checkpointer().load(str(tmp_path / "c"), {"w": plain}, dequantize=True)
     assert_bits(plain, value.dequantize(), "dequantized")
+
+
+def test_an_async_save_of_float8_weights_stores_their_values_not_nans(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    want = [p.detach().clone() for p in m.parameters()]
+    convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    assert type(m[0].weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    o = torch.optim.AdamW(m.parameters())
+    shardsafe.async_save_model_and_optim_state(str(tmp_path / "c"), m, o).wait()
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    shardsafe.load_model_and_optim_state(str(tmp_path / "c"), plain, torch.optim.AdamW(plain.parameters()))
+    for p, w in zip(plain.parameters(), want):
+        assert not torch.isnan(p).any()
+        assert_bits(p.detach(), w, "float8 weight after an async save")
