@@ -111,3 +111,25 @@ def test_moe_saved_at_ep4_loads_at_ep2_ep1_and_dense_bit_exact(tmp_path):
     assert run_ranks(4, _load, path, "ep2_fsdp2") == [True] * 4
     assert run_ranks(2, _load, path, "ep1_fsdp2") == [True] * 2
     assert _load(0, 1, path, None)  # a dense model in this process
+
+
+def _load_megatron_boxes(rank, world, path):
+    """The experts as Megatron lays them out: each EP rank a ShardedTensor box of whole experts."""
+    per = E // world
+    targets = {}
+    for name in ("w1", "w2", "w3"):
+        shape = SHAPES[name]
+        local = torch.zeros((per, *shape[1:]))
+        targets[f"model.{name}"] = shardsafe.ShardedTensor(f"model.{name}", local, shape, (rank * per, 0, 0), local.shape)
+    shardsafe.Checkpointer().load(path, targets)
+    params, _ = _reference()
+    for name in ("w1", "w2", "w3"):
+        assert_bits(targets[f"model.{name}"].data, params[name][rank * per : (rank + 1) * per], f"megatron box {name}")
+    return True
+
+
+def test_moe_saved_as_dtensors_loads_into_megatron_style_expert_boxes(tmp_path):
+    """DTensor (torchtitan) and ShardedTensor (Megatron) experts are the same boxes of one tensor."""
+    path = str(tmp_path / "ep4")
+    run_ranks(4, _save_ep4, path)
+    assert run_ranks(2, _load_megatron_boxes, path) == [True, True]
