@@ -157,8 +157,8 @@ def block_shape(key: str, name: str, local: tuple[int, ...], k: int) -> tuple[in
     return tuple(block)
 
 
-def _geometry(key: str, name: str, inner: torch.Tensor, local: tuple[int, ...]) -> tuple[int, tuple[int, ...], str]:
-    """``(k, block, form)`` of a blocked inner tensor: ``form`` is ``outer`` (shaped like the
+def _geometry(key: str, name: str, inner: torch.Tensor, local: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+    """``(block, form)`` of a blocked inner tensor (one element per ``k`` of the local tensor): ``form`` is ``outer`` (shaped like the
     local tensor) or ``flat`` (1-D)."""
     numel = math.prod(local)
     if inner.numel() == 0 or numel % inner.numel() != 0:
@@ -176,7 +176,7 @@ def _geometry(key: str, name: str, inner: torch.Tensor, local: tuple[int, ...]) 
             f"key {key!r}: inner tensor {name!r} has shape {list(inner.shape)}, neither the local tensor's "
             f"{list(local)} nor 1-D; shardsafe does not know how it is laid out"
         )
-    return k, block_shape(key, name, local, k), form
+    return block_shape(key, name, local, k), form
 
 
 def _cut_error(key: str, name: str, block: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...], shape: tuple[int, ...]) -> ShardingError | None:
@@ -285,7 +285,6 @@ class Inner:
     tensor: torch.Tensor  # shaped as stored: the grid of blocks (blocked), or as is (shared)
     shape: tuple[int, ...]  # its global shape
     offset: tuple[int, ...] | None  # where this rank's grid sits in it; None: shared
-    block: tuple[int, ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,10 +331,10 @@ def describe_subclass(
         t = t.detach()
         ikey = f"{key}{INNER_SEP}{name}"
         if name in rule.shared:
-            inners.append(Inner(name, ikey, t, tuple(t.shape), None, None))
+            inners.append(Inner(name, ikey, t, tuple(t.shape), None))
             doc[name] = {"key": ikey, "shared": True, "dtype": dtype_name(t.dtype, key=ikey), "shape": list(t.shape)}
             continue
-        k, block, form = _geometry(key, name, t, local)
+        block, form = _geometry(key, name, t, local)
         problem = _cut_error(key, name, block, offset, local, shape)
         if problem is not None:
             raise problem
@@ -344,7 +343,7 @@ def describe_subclass(
             raise ShardingError(f"key {key!r}: inner tensor {name!r} is not contiguous; shardsafe reads and writes it in place")
         inners.append(Inner(
             name, ikey, t.view(grid), tuple(n // b for n, b in zip(shape, block)),
-            tuple(o // b for o, b in zip(offset, block)), block,
+            tuple(o // b for o, b in zip(offset, block)),
         ))
         doc[name] = {"key": ikey, "block": list(block), "form": form, "dtype": dtype_name(t.dtype, key=ikey)}
     record = {
@@ -355,8 +354,9 @@ def describe_subclass(
 
 
 def check_record(where: str, key: str, stored: Any, target: dict[str, Any]) -> None:
-    """The stored record of ``key`` agrees with the one a target subclass would write: same
-    class, shape, dtype, context, inner tensors and blocks; or an error naming what differs."""
+    """The stored record of ``key`` (``stored``: a record, or what else ``objects`` holds there)
+    agrees with the one a target subclass would write: same class, shape, dtype, context, inner
+    tensors and blocks; or an error naming what differs."""
     if not is_record(stored):
         raise CheckpointError(
             f"{where}: key {key!r}: the target is a {target['class']}, the checkpoint holds "
@@ -364,23 +364,20 @@ def check_record(where: str, key: str, stored: Any, target: dict[str, Any]) -> N
         )
     valid_record(where, key, stored)
     for field, what in (("class", "class"), ("shape", "global shape"), ("dtype", "dtype"), ("ctx", "flatten context")):
-        if stored.get(field) != target[field]:
+        if stored[field] != target[field]:
             err = ShardingError if field != "class" else CheckpointError
             raise err(
-                f"{where}: key {key!r}: the checkpoint holds a {stored.get('class')} with {what} {stored.get(field)!r}, the "
+                f"{where}: key {key!r}: the checkpoint holds a {stored['class']} with {what} {stored[field]!r}, the "
                 f"target's is {target[field]!r}; load it into the same kind of tensor (or pass dequantize=True for "
                 "its high-precision values)"
             )
-    s_inner, t_inner = stored.get("inner"), target["inner"]
-    if not isinstance(s_inner, dict) or set(s_inner) != set(t_inner):
+    if set(stored["inner"]) != set(target["inner"]):
         raise CorruptCheckpointError(
-            f"{where}: key {key!r}: the checkpoint's {stored['class']} has inner tensors "
-            f"{sorted(s_inner) if isinstance(s_inner, dict) else s_inner!r}, the target's {sorted(t_inner)}"
+            f"{where}: key {key!r}: the checkpoint's {stored['class']} has inner tensors {sorted(stored['inner'])}, the "
+            f"target's {sorted(target['inner'])}"
         )
-    for name, t in t_inner.items():
-        s = s_inner[name]
-        if not isinstance(s, dict) or s.get("key") != t["key"]:
-            raise CorruptCheckpointError(f"{where}: key {key!r}: inner tensor {name!r} is stored as {s!r}")
+    for name, t in target["inner"].items():
+        s = stored["inner"][name]
         if s.get("block") != t.get("block"):
             raise ShardingError(
                 f"{where}: key {key!r}: inner tensor {name!r} was saved with blocks of {s.get('block')} elements, the "

@@ -77,8 +77,12 @@ def check_targets(meta: Any, tensors: list[LocalTensor], objects: list[str], whe
     records: set[str] = set()
     for t in tensors:
         if t.subclass is not None and t.subclass[0] not in records:
-            records.add(t.subclass[0])
-            check_record(where, t.subclass[0], getattr(meta, "objects", {}).get(t.subclass[0]), t.subclass[1])
+            outer = t.subclass[0]
+            records.add(outer)
+            stored_value = getattr(meta, "objects", {}).get(outer)
+            if stored_value is None and outer not in meta.tensors:
+                raise MissingKeyError(f"{where}: key {outer!r} is not in the checkpoint ({len(meta.tensors)} tensors stored)")
+            check_record(where, outer, stored_value, t.subclass[1])
         stored = meta.tensors.get(t.key)
         if stored is None:
             if t.subclass is None and is_record(record := getattr(meta, "objects", {}).get(t.key)):
