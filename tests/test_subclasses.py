@@ -649,3 +649,16 @@ def test_a_subclass_target_missing_from_the_checkpoint_is_a_missing_key(tmp_path
     shardsafe.Checkpointer().save(str(tmp_path / "c"), {"other": torch.zeros(3)})
     with pytest.raises(MissingKeyError, match=re.escape("key 'w' is not in the checkpoint (1 tensors stored)")):
         shardsafe.Checkpointer().load(str(tmp_path / "c"), {"w": OptimState8bit.zeros((256, 256))})
+
+
+def test_cli_inspect_names_the_subclasses_and_their_inner_tensors(tmp_path, capsys):
+    from shardsafe.cli import main
+
+    w = to_nf4(torch.randn(256, 256, dtype=torch.bfloat16), 64, 256)
+    shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": w, "step": 3})
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "values          1 JSON, 0 pickled" in lines
+    assert "subclasses      1 tensor subclass(es): NF4Tensor (inner tensors under <key>#<name>)" in lines
+    assert any(line.split()[:2] == ["w#quantized_data", "[256,"] for line in lines), lines
+    assert f"w      tensor subclass {NF4_PATH} [256, 256]" in lines, lines

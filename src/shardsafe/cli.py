@@ -94,6 +94,8 @@ def _tensor_bytes(t) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
+    from .adapters.subclasses import is_record
+
     meta = _meta(args.dir)
     tensors = {
         key: {
@@ -122,7 +124,11 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
     out.line(f"format version  {meta.format_version}")
     out.line(f"size            {_human(total)} ({total} bytes) in {len(files)} data file(s)")
     out.line(f"tensors         {len(tensors)} ({_human(sum(t['bytes'] for t in tensors.values()))})")
-    out.line(f"values          {len(meta.objects)} JSON, {len(meta.pickled_objects)} pickled")
+    records = {k: str(v.get("class")) for k, v in meta.objects.items() if is_record(v)}
+    out.line(f"values          {len(meta.objects) - len(records)} JSON, {len(meta.pickled_objects)} pickled")
+    if records:  # their inner tensors are among the tensors, under <key>#<inner name>
+        kinds = sorted({c.rpartition(".")[2] for c in records.values()})
+        out.line(f"subclasses      {len(records)} tensor subclass(es): {', '.join(kinds)} (inner tensors under <key>#<name>)")
     if files:
         out.line()
         rows = [[f, "-" if n is None else str(n), "(not recorded)" if n is None else _human(n)] for f, n in files.items()]
@@ -138,7 +144,7 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
             out.line(ln)
     if meta.objects or meta.pickled_objects:
         out.line()
-        rows = [[k, _brief(v)] for k, v in sorted(meta.objects.items())]
+        rows = [[k, f"tensor subclass {v.get('class')} {v.get('shape')}" if is_record(v) else _brief(v)] for k, v in sorted(meta.objects.items())]
         rows += [[k, "<pickled>"] for k in sorted(meta.pickled_objects)]
         for ln in _table(rows, ["value", "content"]):
             out.line(ln)
