@@ -4,7 +4,8 @@ both beside it (issue 25: "costs no more per byte than a plain one").
 
 One process, a local directory (the page cache warm for every repetition, as for every
 method). Each method saves the same model and optimizer ``--reps`` times (overwriting) and loads
-it back in place as many times; the median is reported. Prints a table and one line:
+it back in place as many times, the methods interleaved (the order rotated each repetition);
+the median is reported. Prints a table and one line:
 
     SUBCLASS save_per_byte_x=... load_per_byte_x=... dcp_save_per_byte_x=... dcp_load_per_byte_x=... target_save<=1.0x:ok ...
 
@@ -54,42 +55,56 @@ def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def _time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
+class _Method:
+    """One library saving and loading one kind of optimizer state: a save and a load callable,
+    and the checkpoint they write."""
+
+    def __init__(self, lib: str, kind: str, root: str, layers: int, width: int) -> None:
+        self.name, self.path = f"{lib} {kind}", os.path.join(root, f"{lib}-{kind}")
+        m, o = _stepped(kind, layers, width)
+        m2, o2 = _stepped(kind, layers, width)  # targets allocated once: every load fills the same memory
+        if lib == "shardsafe":
+            self.save = lambda: shardsafe.save_model_and_optim_state(self.path, m, o, save_overwrite=True)
+            self.load = lambda: shardsafe.load_model_and_optim_state(self.path, m2, o2)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            target = {"model": m2.state_dict(), "optim": o2.state_dict()}
+
+            def save() -> None:
+                shutil.rmtree(self.path, ignore_errors=True)
+                dcp.save({"model": m.state_dict(), "optim": o.state_dict()}, checkpoint_id=self.path, no_dist=True)
+
+            self.save = save
+            self.load = lambda: dcp.load(target, checkpoint_id=self.path, no_dist=True)
+        self.times: dict[str, list[float]] = {"save": [], "load": []}
+        self.failed: str | None = None
+
+    def run(self, op: str) -> None:
+        if self.failed is not None:
+            return
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        try:
+            getattr(self, op)()
+        except Exception as e:  # the peer's failure is a result: reported, not raised
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            return
+        self.times[op].append(time.perf_counter() - t)
+
+    def result(self) -> tuple[float, float, int] | str:
+        if self.failed is not None:
+            return self.failed
+        return statistics.median(self.times["save"]), statistics.median(self.times["load"]), _size(self.path)
 
 
-def _shardsafe(kind: str, root: str, layers: int, width: int, reps: int) -> tuple[float, float, int]:
-    m, o = _stepped(kind, layers, width)
-    path = os.path.join(root, f"shardsafe-{kind}")
-    save = _time(lambda: shardsafe.save_model_and_optim_state(path, m, o, save_overwrite=True), reps)
-    m2, o2 = _stepped(kind, layers, width)  # targets allocated once: every load fills the same memory
-    load = _time(lambda: shardsafe.load_model_and_optim_state(path, m2, o2), reps)
-    return save, load, _size(path)
-
-
-def _dcp(kind: str, root: str, layers: int, width: int, reps: int) -> tuple[float, float, int] | str:
-    import torch.distributed.checkpoint as dcp
-
-    m, o = _stepped(kind, layers, width)
-    path = os.path.join(root, f"dcp-{kind}")
-
-    def save() -> None:
-        shutil.rmtree(path, ignore_errors=True)
-        dcp.save({"model": m.state_dict(), "optim": o.state_dict()}, checkpoint_id=path, no_dist=True)
-
-    m2, o2 = _stepped(kind, layers, width)
-    target = {"model": m2.state_dict(), "optim": o2.state_dict()}
-    try:
-        s = _time(save, reps)
-        ld = _time(lambda: dcp.load(target, checkpoint_id=path, no_dist=True), reps)
-    except Exception as e:  # the peer's failure is a result: reported, not raised
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    return s, ld, _size(path)
+def _interleaved(methods: list[_Method], reps: int) -> None:
+    """Each repetition runs every method once, the order rotated, so that a machine whose load
+    drifts slows every method alike: saves first (the last one of each method is what loads read)."""
+    for op in ("save", "load"):
+        for rep in range(reps):
+            k = rep % len(methods)
+            for method in methods[k:] + methods[:k]:
+                method.run(op)
 
 
 def main() -> int:
@@ -103,16 +118,14 @@ def main() -> int:
         args.layers, args.width, args.reps = 2, 256, 2
     root = tempfile.mkdtemp(prefix="bench-subclasses-")
     try:
-        rows = {}
-        for lib in ("shardsafe", "dcp"):
-            for kind in ("plain", "8bit"):
-                fn = _shardsafe if lib == "shardsafe" else _dcp
-                rows[lib, kind] = fn(kind, root, args.layers, args.width, args.reps)
+        methods = [_Method(lib, kind, root, args.layers, args.width) for lib in ("shardsafe", "dcp") for kind in ("plain", "8bit")]
+        _interleaved(methods, args.reps)
+        rows = {tuple(m.name.split()): m.result() for m in methods}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     params = args.layers * (args.width * args.width + args.width)
     print(f"model: {args.layers} x Linear({args.width}, {args.width}), {params * 4 / 2**20:.1f} MiB of fp32 parameters; "
-          f"median of {args.reps}")
+          f"median of {args.reps}, interleaved")
     print(f"{'method':<22}{'bytes':>14}{'save s':>10}{'load s':>10}{'save GB/s':>11}{'load GB/s':>11}")
     for (lib, kind), r in rows.items():
         if isinstance(r, str):
