@@ -662,3 +662,67 @@ def test_cli_inspect_names_the_subclasses_and_their_inner_tensors(tmp_path, caps
     assert "subclasses      1 tensor subclass(es): NF4Tensor (inner tensors under <key>#<name>)" in lines
     assert any(line.split()[:2] == ["w#quantized_data", "[256,"] for line in lines), lines
     assert f"w      tensor subclass {NF4_PATH} [256, 256]" in lines, lines
+
+
+def _tp_model(world: int, seed: int):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    torch.manual_seed(seed)
+    m = torch.nn.Linear(256, 256, bias=False)
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,))
+        m.weight = torch.nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(1)]))
+    return m
+
+
+def _save_tp_8bit(rank, world, path):
+    from torch.distributed.tensor import DTensor
+
+    _eager()
+    m = _tp_model(world, 0)
+    o = AdamW8bit(m.parameters())
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        full = torch.randn(256, 256, generator=g)
+        m.weight.grad = DTensor.from_local(full[:, rank * 128 : (rank + 1) * 128].clone(), m.weight.device_mesh, m.weight.placements)
+        o.step()
+    shardsafe.save_model_and_optim_state(path, m, o)
+    return _local_bytes(o.state[m.weight]["exp_avg"])
+
+
+def _local_bytes(state) -> list[bytes]:
+    local = state._local_tensor
+    return [getattr(local, n).contiguous().numpy().tobytes() for n in ("codes", "scale", "qmap")]
+
+
+def _load_tp_8bit(rank, world, path):
+    _eager()
+    m = _tp_model(world, 1)
+    o = AdamW8bit(m.parameters())
+    shardsafe.load_model_and_optim_state(path, m, o)
+    return _local_bytes(o.state[m.weight]["exp_avg"])
+
+
+def test_tensor_parallel_low_bit_state_reloads_in_its_layout_and_is_refused_in_another(tmp_path):
+    """Shard(1) over 2 ranks: a rank's 256-element blocks are 2 rows of its 128 columns, which
+    are neither the blocks of a whole row nor consecutive in the whole tensor."""
+    path = str(tmp_path / "c")
+    saved = run_ranks(2, _save_tp_8bit, path)
+    assert run_ranks(2, _load_tp_8bit, path) == saved
+    record = json.loads((tmp_path / "c" / "metadata.json").read_text())["objects"]["optim.state.weight.exp_avg"]
+    assert record["inner"]["scale"]["block"] == [2, 128]
+    m = _tp_model(1, 1)
+    o = AdamW8bit(m.parameters())
+    m(torch.randn(2, 256)).sum().backward()
+    o.step()  # the target holds 8-bit state of its own layout: blocks of whole rows
+    with pytest.raises(ShardingError, match=re.escape(
+        "key 'optim.state.weight.exp_avg': inner tensor 'scale' was saved with blocks of [2, 128] elements, the target "
+        "has blocks of [1, 256] (its local shape gives other blocks)"
+    )):
+        shardsafe.load_model_and_optim_state(path, m, o)
+    plain = _tp_model(1, 1)
+    with pytest.raises(ShardingError, match=re.escape(
+        "key 'optim.state.weight.exp_avg': inner tensor 'scale' was saved with blocks of [2, 128] elements, which are not "
+        "consecutive in the flattened whole tensor of shape [256, 256]"
+    )):
+        shardsafe.load_model_and_optim_state(path, plain, torch.optim.AdamW(plain.parameters()), validate=False, dequantize=True)
