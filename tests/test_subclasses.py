@@ -643,8 +643,9 @@ def test_an_async_save_of_float8_weights_stores_their_values_not_nans(tmp_path):
 
 
 def test_a_subclass_target_missing_from_the_checkpoint_is_a_missing_key(tmp_path):
-    from shardsafe.errors import MissingKeyError
     from torchao.optim.subclass_8bit import OptimState8bit
+
+    from shardsafe.errors import MissingKeyError
 
     shardsafe.Checkpointer().save(str(tmp_path / "c"), {"other": torch.zeros(3)})
     with pytest.raises(MissingKeyError, match=re.escape("key 'w' is not in the checkpoint (1 tensors stored)")):
