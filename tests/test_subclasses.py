@@ -727,3 +727,24 @@ def test_tensor_parallel_low_bit_state_reloads_in_its_layout_and_is_refused_in_a
         "consecutive in the flattened whole tensor of shape [256, 256]"
     )):
         shardsafe.load_model_and_optim_state(path, plain, torch.optim.AdamW(plain.parameters()), validate=False, dequantize=True)
+
+
+def _strided_subclass(rank, world):
+    from torch.distributed.tensor import DTensor, init_device_mesh
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    mesh = init_device_mesh("cpu", (world,))
+    local = OptimState8bit.zeros((128, 256))  # rows 64r..64r+63 and 128+64r..: two pieces of a [256, 256] tensor
+    d = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=2)], run_check=False,
+                           shape=torch.Size((256, 256)), stride=(256, 1))
+    try:
+        shardsafe.Checkpointer().save("/nonexistent-never-written", {"s": d})
+    except ShardingError as e:
+        return str(e)
+    return None
+
+
+def test_a_subclass_local_tensor_of_several_pieces_is_refused():
+    for msg in run_ranks(2, _strided_subclass):
+        assert msg is not None and "key 's': the local OptimState8bit of this DTensor holds 2 pieces of the global tensor" in msg, msg
