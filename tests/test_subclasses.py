@@ -748,3 +748,28 @@ def _strided_subclass(rank, world):
 def test_a_subclass_local_tensor_of_several_pieces_is_refused():
     for msg in run_ranks(2, _strided_subclass):
         assert msg is not None and "key 's': the local OptimState8bit of this DTensor holds 2 pieces of the global tensor" in msg, msg
+
+
+def _load_lowbit_dequantized(rank, world, path, rows, cols):
+    from torch.distributed.fsdp import fully_shard
+
+    m = _lowbit_model(1, rows, cols)
+    fully_shard(m)
+    o = torch.optim.AdamW(m.parameters())
+    shardsafe.load_model_and_optim_state(path, m, o, validate=False, dequantize=True)
+    whole = shardsafe.Checkpointer().unshard(path, prefix="optim.state.0.weight.", no_dist=True)
+    mine = torch.arange(rows).chunk(world)[rank]  # Shard(0)'s rows of this rank
+    for name in ("exp_avg", "exp_avg_sq"):
+        got = o.state[m[0].weight][name]
+        assert type(got._local_tensor) is torch.Tensor
+        assert_bits(got._local_tensor, whole[name].dequantize()[mine[0] : mine[-1] + 1], f"{name} rows of rank {rank}")
+    return True
+
+
+@pytest.mark.parametrize("load_world", [2, 3])
+def test_low_bit_state_dequantized_into_plain_fsdp2_state_at_2_and_3_ranks(tmp_path, load_world):
+    """Each rank builds the high-precision rows of its own shard, widened to whole blocks (at 3
+    ranks the cuts, rows 43 and 86, fall inside blocks of 4 rows: dequantized, they load)."""
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_lowbit_fsdp, path, "8bit", 128, 64)
+    assert run_ranks(load_world, _load_lowbit_dequantized, path, 128, 64) == [True] * load_world

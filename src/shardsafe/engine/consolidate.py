@@ -160,7 +160,7 @@ def _write_file(
                 behind.flush()  # the buffer's last tensor is written: reuse it
                 target = buf[: _numel(tm) * tm.torch_dtype.itemsize].view(tm.torch_dtype).view(tm.shape)
                 if isinstance(tm, DequantizedEntry):
-                    target.copy_(load_whole(reader, tm.meta, storage.url, key, dequantize=True))
+                    target.copy_(load_whole(reader, tm.meta, storage.url, key, dequantize=True)[0])
                 else:
                     (lt,), _ = describe_state({key: target})
                     reader.load_tensor(tm, lt)

@@ -150,12 +150,7 @@ def load_state(
         with Reader(storage, knobs) as reader:
             reader.load_tensors(((meta.tensors[t.key], t) for t in tensors), targets_done(progress, tensors))
             for t in deq:  # the high-precision values of a quantized subclass, this rank's pieces of them
-                full = load_whole(reader, meta, storage.url, t.key, dequantize=True)
-                for (offset, size, flat), view in zip(t.pieces, t.views):
-                    if flat is not None:
-                        view.copy_(full.reshape(-1)[flat[0] : flat[1]])
-                    else:
-                        view.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, size))])
+                _fill_dequantized(reader, meta, storage.url, t)
             nread[0] = reader.bytes_read
         log.debug(
             "load %s: rank %d of %d filled %d tensors and %d values, %d bytes read, %.2f s",
@@ -171,6 +166,25 @@ def load_state(
             "load %s: %d targets, %d bytes read on the coordinator, %.2f s, %.2f GB/s",
             storage.url, len(state_dict), nread[0], seconds, nread[0] / max(seconds, 1e-9) / 1e9,
         )
+
+
+def _fill_dequantized(reader: Reader, meta: StorageMetadata, where: str, t: LocalTensor) -> None:
+    """Fill ``t``'s pieces with the high-precision values of the quantized subclass stored under
+    its key, built for the rows its pieces cover (widened to whole blocks), not the whole tensor."""
+    if not t.pieces:
+        return
+    shape = t.shape
+    row = math.prod(shape[1:]) if shape else 1
+    spans = [(f[0] // row, -(-f[1] // row)) if f is not None else (o[0], o[0] + n[0]) for o, n, f in t.pieces] if shape else [(0, 1)]
+    part, first = load_whole(reader, meta, where, t.key, dequantize=True, rows=(min(a for a, _ in spans), max(b for _, b in spans)))
+    for (offset, size, flat), view in zip(t.pieces, t.views):
+        if flat is not None:
+            base = first * row
+            view.copy_(part.reshape(-1)[flat[0] - base : flat[1] - base])
+        elif shape:
+            view.copy_(part[(slice(offset[0] - first, offset[0] - first + size[0]), *(slice(o, o + n) for o, n in zip(offset[1:], size[1:])))])
+        else:
+            view.copy_(part)
 
 
 def unshard_state(
@@ -227,7 +241,7 @@ def unshard_state(
                 add(full.numel() * full.element_size())
             out[name] = full if device.type == "cpu" else full.to(device)
         for name, key in wholes.items():
-            value = load_whole(reader, meta, storage.url, key, dequantize=dequantize)
+            value, _ = load_whole(reader, meta, storage.url, key, dequantize=dequantize)
             out[name] = value if device.type == "cpu" else value.to(device)
         nread = reader.bytes_read
     values = decode_objects(meta.objects, meta.pickled_objects, list(wanted.values()), allow_pickle=allow_pickle, where=storage.url)
