@@ -115,7 +115,7 @@ def load_state(
     of ``comm`` calls it together; a failure on any rank raises on every rank.
 
     ``dequantize``: a plain target tensor whose key holds a quantized subclass (NF4, 8-bit
-    optimizer state) gets its high-precision values; the whole stored value is read to build them.
+    optimizer state) gets its high-precision values, built for the rows its pieces cover.
 
     ``fetch(meta, targets)``: called on every rank together, once every rank has described and
     checked its targets and before any reads, to bring the bytes those targets need into
