@@ -18,7 +18,7 @@ from safetensors import safe_open
 import shardsafe
 from shardsafe.errors import CheckpointError, DtypeMismatchError, ShardingError
 
-from .helpers import assert_bits, run_ranks
+from .helpers import assert_bits, built_once, run_ranks
 from .sealing import seal
 
 torchao = pytest.importorskip("torchao")
@@ -273,9 +273,8 @@ def _load_nf4(rank, world, path):
 
 
 @pytest.mark.parametrize("load_world", [1, 4])
-def test_nf4_lora_under_fsdp2_saved_at_2_loads_at_1_and_4(tmp_path, load_world):
-    path = str(tmp_path / "c")
-    run_ranks(2, _save_nf4_fsdp, path)
+def test_nf4_lora_under_fsdp2_saved_at_2_loads_at_1_and_4(tmp_path_factory, load_world):
+    path = built_once(tmp_path_factory, "subclasses/nf4-lora-fsdp2", lambda p: run_ranks(2, _save_nf4_fsdp, p))
     assert run_ranks(load_world, _load_nf4, path) == [True] * load_world
 
 
@@ -298,6 +297,13 @@ def _save_lowbit_fsdp(rank, world, path, kind, rows, cols):
         o.zero_grad()
     assert type(o.state[m[0].weight]["exp_avg"]._local_tensor).__name__.startswith("OptimState")
     shardsafe.save_model_and_optim_state(path, m, o)
+
+
+def _lowbit_saved(tmp_path_factory, kind: str, rows: int, cols: int) -> str:
+    """A 2-rank FSDP2 checkpoint of ``kind`` low-bit state, saved once per test run (loads only read it)."""
+    return built_once(
+        tmp_path_factory, f"subclasses/lowbit-{kind}-{rows}x{cols}", lambda p: run_ranks(2, _save_lowbit_fsdp, p, kind, rows, cols)
+    )
 
 
 def _load_lowbit(rank, world, path, kind, rows, cols):
@@ -323,9 +329,8 @@ def _load_lowbit(rank, world, path, kind, rows, cols):
 
 @pytest.mark.parametrize("kind", ["8bit", "4bit", "fp8"])
 @pytest.mark.parametrize("load_world", [1, 4])
-def test_low_bit_state_saved_at_2_ranks_resumes_at_1_and_4(tmp_path, kind, load_world):
-    path = str(tmp_path / "c")
-    run_ranks(2, _save_lowbit_fsdp, path, kind, 64, 256)
+def test_low_bit_state_saved_at_2_ranks_resumes_at_1_and_4(tmp_path_factory, kind, load_world):
+    path = _lowbit_saved(tmp_path_factory, kind, 64, 256)
     assert run_ranks(load_world, _load_lowbit, path, kind, 64, 256) == [True] * load_world
 
 
@@ -343,10 +348,9 @@ def _load_lowbit_expect_error(rank, world, path, kind, rows, cols):
     return None
 
 
-def test_low_bit_state_is_refused_where_a_cut_falls_inside_a_block(tmp_path):
+def test_low_bit_state_is_refused_where_a_cut_falls_inside_a_block(tmp_path_factory):
     """128 x 64 parameters: 8-bit blocks of 256 elements are 4 rows; three ranks cut at rows 43 and 86."""
-    path = str(tmp_path / "c")
-    run_ranks(2, _save_lowbit_fsdp, path, "8bit", 128, 64)
+    path = _lowbit_saved(tmp_path_factory, "8bit", 128, 64)
     errors = run_ranks(3, _load_lowbit_expect_error, path, "8bit", 128, 64)
     for e in errors:
         assert e is not None and "key 'optim.state.0.weight.exp_avg'" in e and "blocks of [4, 64] elements" in e, e
@@ -767,9 +771,8 @@ def _load_lowbit_dequantized(rank, world, path, rows, cols):
 
 
 @pytest.mark.parametrize("load_world", [2, 3])
-def test_low_bit_state_dequantized_into_plain_fsdp2_state_at_2_and_3_ranks(tmp_path, load_world):
+def test_low_bit_state_dequantized_into_plain_fsdp2_state_at_2_and_3_ranks(tmp_path_factory, load_world):
     """Each rank builds the high-precision rows of its own shard, widened to whole blocks (at 3
     ranks the cuts, rows 43 and 86, fall inside blocks of 4 rows: dequantized, they load)."""
-    path = str(tmp_path / "c")
-    run_ranks(2, _save_lowbit_fsdp, path, "8bit", 128, 64)
+    path = _lowbit_saved(tmp_path_factory, "8bit", 128, 64)
     assert run_ranks(load_world, _load_lowbit_dequantized, path, 128, 64) == [True] * load_world
