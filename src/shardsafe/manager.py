@@ -170,7 +170,8 @@ class CheckpointManager:
             memory_dir = default_memory_dir(self.root)
         if memory_dir is not None:
             self._memory = MemoryTier(
-                os.fspath(memory_dir), node=node, replicas=replicas, groups=replica_groups, comm=self._comm, root_url=self.root
+                os.fspath(memory_dir), node=node, replicas=replicas, groups=replica_groups, comm=self._comm, root_url=self.root,
+                timeout_s=self._knobs.collective_timeout_s,
             )
             # the background saves' group, made now while every rank is here: a save's caller
             # then meets no other rank, not even the first time
@@ -333,13 +334,15 @@ class CheckpointManager:
             durable = self._root.child(step_dir_name(step)) if persist else None
             timeout = self._knobs.collective_timeout_s
 
+            stream = memory.stream(step_dir_name(step))  # the copies, sent while tier 0 is written
+
             def tiers(out: tuple[Any, list[str]]) -> SavedInMemory:  # in the background, once tier 0 committed
                 side = background_comm(save_comm, timeout_s=timeout)
-                return memory.after_commit(side, step, step_dir_name(step), out[1], durable)
+                return memory.after_commit(side, step, step_dir_name(step), out[1], durable, stream)
 
             handle = async_save_state(
                 memory.step_storage(step_dir_name(step)), built, save_overwrite=False, allow_pickle=False, comm=save_comm,
-                knobs=self._knobs, want_meta=False, progress=bar, result=tiers, first=clear, agree=(mine, same_names),
+                knobs=self._knobs, want_meta=False, progress=bar, result=tiers, first=clear, agree=(mine, same_names), tee=stream,
             )
         self._inflight = (step, handle)
         self._requested = False
