@@ -41,6 +41,7 @@ from .adapters import LocalTensor
 from .dist import Comm, Sending, replication_comm
 from .errors import CheckpointError, IncompleteCheckpointError
 from .format.metadata import METADATA_FILENAME, StorageMetadata, sealed_data_files
+from .planning.save_plan import data_file_rank
 from .storage import HeldFiles, Storage, open_storage
 
 __all__ = [
@@ -411,19 +412,20 @@ class MemoryTier:
         try:
             raw = side.broadcast(lambda: _read(os.path.join(path, METADATA_FILENAME)))
 
-            def here() -> tuple[str, int] | None:  # a failure here (a full tmpfs) reaches every rank in the all-gather
+            files = _rank_files(raw, f"{path}/{METADATA_FILENAME}", len(self.nodes))
+            plan = replication_plan(self.nodes, files, self.targets)
+            times.append(time.perf_counter())
+
+            def commit() -> None:
                 if self.leader and not os.path.exists(os.path.join(path, METADATA_FILENAME)):
                     os.makedirs(path, exist_ok=True)
                     _write_atomic(os.path.join(path, METADATA_FILENAME), raw)
-                return (mine[0], os.path.getsize(os.path.join(path, mine[0]))) if mine else None
+                stream.commit([t for t in plan if t.dst == self.rank])
 
-            files = side.all_gather(here)
-            side.raise_failures(files)
-            plan = replication_plan(self.nodes, files, self.targets)
-            times.append(time.perf_counter())
-            # every copy received whole, as the step's files say, and renamed on every node (a
-            # failure anywhere fails every rank here) before any node records the step safe
-            side.check(lambda: stream.commit([t for t in plan if t.dst == self.rank]))
+            # metadata.json on every node, and every copy received whole, as the step's files
+            # say, and renamed on every node (a failure anywhere, a full tmpfs, fails every rank
+            # here) before any node records the step safe
+            side.check(commit)
         except BaseException:
             stream.failed()
             raise
@@ -445,7 +447,7 @@ class MemoryTier:
             self._drop_older(step_dir)
         times.append(time.perf_counter())
         log.debug(
-            "memory tier: step %d on rank %d: metadata to every node %.3f s, copies' rest %.3f s, safe record %.3f s, persist and "
+            "memory tier: step %d on rank %d: metadata to every node %.3f s, copies' end and commit %.3f s, safe record %.3f s, persist and "
             "cleanup %.3f s", step, self.rank, *(b - a for a, b in zip(times, times[1:])),
         )
         return SavedInMemory(step, safe, persist is not None)
@@ -810,6 +812,18 @@ def _persist(side: Comm, path: str, mine: list[str], raw: bytes, durable: Storag
 
     side.check(copy)
     side.broadcast(lambda: durable.put_atomic(METADATA_FILENAME, raw, overwrite=False))
+
+
+def _rank_files(raw: bytes, where: str, world: int) -> list[tuple[str, int] | None]:
+    """Each rank's data file of a step and its size, from the step's ``metadata.json`` (None for
+    a rank that wrote none)."""
+    out: list[tuple[str, int] | None] = [None] * world
+    for name, size in _named_sizes(raw, where).items():
+        rank = data_file_rank(name)
+        if rank is None or not 0 <= rank < world or size < 0:
+            raise CheckpointError(f"{where}: data file {name} ({size} bytes) is not a file of one of this save's {world} ranks")
+        out[rank] = (name, size)
+    return out
 
 
 def _named_sizes(raw: bytes, where: str) -> dict[str, int]:
