@@ -629,19 +629,20 @@ class Stream:
 
     def written(self, upto: int) -> None:
         with self._lock:
-            blocks = _blocks(self._size)
-            while self._next < len(blocks) and blocks[self._next][1] <= upto:
-                self._send(self._next, *blocks[self._next])
+            count = _block_count(self._size)
+            while self._next < count and min((self._next + 1) * _BLOCK, self._size) <= upto:
+                a = self._next * _BLOCK
+                self._send(self._next, a, min(a + _BLOCK, self._size))
                 self._next += 1
 
     def end(self, ok: bool) -> None:
         with self._lock:
-            blocks = _blocks(self._size)
-            if ok and self._next < len(blocks):
-                self._errors.append(CheckpointError(f"{self._path}/{self._file}: written whole, but only {self._next} of its {len(blocks)} blocks were sent"))
-            while self._next < len(blocks):  # the receivers wait for every block announced
-                a, b = blocks[self._next]
-                self._send_zeros(self._next, b - a)
+            count = _block_count(self._size)
+            if ok and self._next < count:
+                self._errors.append(CheckpointError(f"{self._path}/{self._file}: written whole, but only {self._next} of its {count} blocks were sent"))
+            while self._next < count:  # the receivers wait for every block announced
+                a = self._next * _BLOCK
+                self._send_zeros(self._next, min(a + _BLOCK, self._size) - a)
                 self._next += 1
             if self._fd is not None:
                 os.close(self._fd)
@@ -759,6 +760,10 @@ class Stream:
             receiving, self._receiving = self._receiving, {}
         for r in receiving.values():
             r.abandon()
+
+
+def _block_count(size: int) -> int:
+    return -(-size // _BLOCK) if size > 0 else 0
 
 
 def _blocks(size: int) -> list[tuple[int, int]]:
