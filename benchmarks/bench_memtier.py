@@ -5,7 +5,8 @@
 ``--memory-root``, default ``/dev/shm``) and prints one machine-readable line::
 
     MEMTIER nodes=4 world=4 mib_per_rank=... blocked_s=... memcpy_s=... blocked_vs_memcpy=... memcpy_min_s=...
-            safe_s=... raw_send_s=... safe_vs_raw_send=... restore_world=3 restore_from_peers_s=...
+            safe_s=... raw_send_s=... safe_vs_raw_send=... save_cpu_s=... raw_send_cpu_s=... cores=...
+            restore_world=3 restore_from_peers_s=...
             raw_copy_transfer_s=... restore_vs_raw=... restore_from_disk_cold_s=... disk_vs_peers=...
             durable_bytes_read=0 ram_per_node_x=...
 
@@ -22,7 +23,10 @@
   files dropped from the page cache (``restore_from_disk_cold_s``, ``posix_fadvise(DONTNEED)``);
   during the restore from memory the durable root is moved away, so ``durable_bytes_read=0`` is
   what happened, not what was hoped (a read there would fail the run);
-- ``ram_per_node_x``: bytes in a node's memory directory over its ranks' share of the state.
+- ``ram_per_node_x``: bytes in a node's memory directory over its ranks' share of the state;
+- ``save_cpu_s`` and ``raw_send_cpu_s``: the CPU time of one save (from ``save`` until safe) and
+  of one raw send, summed over the ranks (every thread): when the ranks share ``cores`` cores,
+  ``save_cpu_s / cores`` is the least ``safe_s`` can be, however the work overlaps.
 
 With ``--nvrx-python PATH`` (an interpreter with ``nvidia-resiliency-ext``, kept out of
 shardsafe's environment), nvidia-resiliency-ext's local checkpointing saves the same bytes per
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -100,16 +105,17 @@ def _train(rank: int, world: int, port: int, cfg: dict, out) -> None:
     del bufs
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in local])
     into = torch.empty_like(flat)
-    sends = []
+    sends, send_cpu = [], []
     for _ in range(3):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         works = [dist.isend(flat, dst=(rank + 1) % world), dist.irecv(into, src=(rank - 1) % world)]
         for w in works:
             w.wait()
         sends.append(time.perf_counter() - t0)
+        send_cpu.append(_cpu() - c0)
     del flat, into
-    blocked, safe = [], []
+    blocked, safe, save_cpu = [], [], []
     mem = os.path.join(cfg["mem"], f"node{rank}")
     with CheckpointManager(cfg["root"], memory_dir=mem, node=rank, replicas=1, persist_every=cfg["steps"]) as mgr:
         for s in range(1, cfg["steps"] + 1):
@@ -117,20 +123,28 @@ def _train(rank: int, world: int, port: int, cfg: dict, out) -> None:
                 for t in local:
                     t.add_(1.0)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu()
             mgr.save(s, m)
             t1 = time.perf_counter()
             mgr.wait_until_finished()
             t2 = time.perf_counter()
             blocked.append(t1 - t0)
             safe.append(t2 - t0)
+            save_cpu.append(_cpu() - c0)
     used = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(mem) for f in fs)
     dist.barrier()
     dist.destroy_process_group()
     out.put((rank, {
         "nbytes": nbytes, "memcpy": statistics.median(memcpy), "memcpy_min": min(memcpy), "send": statistics.median(sends), "blocked": statistics.median(blocked[1:] or blocked),
         "safe": statistics.median(safe[1:] or safe), "ram_x": used / nbytes,
+        "save_cpu": statistics.median(save_cpu[1:] or save_cpu), "send_cpu": statistics.median(send_cpu),
     }))
+
+
+def _cpu() -> float:
+    """CPU seconds this process has used, all its threads (the background save's and gloo's too)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _drop_cache(root: str) -> None:
@@ -241,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "blocked_s": worst("blocked"), "memcpy_s": worst("memcpy"), "blocked_vs_memcpy": worst("blocked") / worst("memcpy"),
         "memcpy_min_s": worst("memcpy_min"),
         "safe_s": worst("safe"), "raw_send_s": worst("send"), "safe_vs_raw_send": worst("safe") / worst("send"),
+        "save_cpu_s": sum(t["save_cpu"] for t in train), "raw_send_cpu_s": sum(t["send_cpu"] for t in train),
+        "cores": len(os.sched_getaffinity(0)),
         "restore_world": lost, "restore_from_peers_s": peers, "raw_copy_transfer_s": raw, "restore_vs_raw": peers / raw,
         "restore_from_disk_cold_s": cold, "disk_vs_peers": cold / peers,
         "durable_bytes_read": 0,  # measured so: the durable root was moved away during the restore from memory
