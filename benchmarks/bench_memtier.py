@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import resource
 import shutil
 import socket
@@ -59,14 +60,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _model(world: int, mib_per_rank: float):
+def _model(world: int, mib_per_rank: float, saved_world: int | None = None):
+    """4 float32 tensors of 1024 columns, sharded on rows over ``world`` ranks, of the global
+    shapes a job of ``saved_world`` ranks (default: ``world``) with ``mib_per_rank`` each saves."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    rows = max(world, int(mib_per_rank * _MiB * world / 4 / 1024 / 4))  # 4 float32 tensors of 1024 columns
-    rows -= rows % world
+    saved = saved_world or world
+    rows = max(saved, int(mib_per_rank * _MiB * saved / 4 / 1024 / 4))
+    rows -= rows % saved  # even on the saving ranks; the restoring ones may split unevenly
     m = torch.nn.Module()
     g = torch.Generator().manual_seed(0)
     for i in range(4):
@@ -166,7 +170,7 @@ def _restore(rank: int, world: int, port: int, cfg: dict, out) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    m = _model(world, cfg["mib"] * cfg["nodes"] / world)  # the same global shapes on fewer ranks
+    m = _model(world, cfg["mib"], saved_world=cfg["nodes"])  # the same global shapes on fewer ranks
     local = _locals(m)
     nbytes = sum(t.numel() * t.element_size() for t in local)
     # the raw limit of this restore: a copy of the rank's bytes and a send of them
@@ -176,7 +180,9 @@ def _restore(rank: int, world: int, port: int, cfg: dict, out) -> None:
         b.copy_(t)
     copy_s = time.perf_counter() - t0
     del bufs
-    flat = torch.empty(nbytes, dtype=torch.uint8)
+    most = torch.tensor([nbytes])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # ranks may hold a row more or less: a send and its receive match
+    flat = torch.empty(int(most), dtype=torch.uint8)
     into = torch.empty_like(flat)
     dist.barrier()
     t0 = time.perf_counter()
@@ -213,7 +219,17 @@ def _spawn(fn, world: int, cfg: dict) -> list[dict]:
     procs = [ctx.Process(target=fn, args=(r, world, port, cfg, q)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=1800) for _ in range(world))
+    got: dict = {}
+    while len(got) < world:  # a rank that died says so at once, not after a timeout
+        try:
+            rank, value = q.get(timeout=2)
+            got[rank] = value
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"bench_memtier: {fn.__name__} rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
     for p in procs:
         p.join()
     return [got[r] for r in range(world)]
