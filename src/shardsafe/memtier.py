@@ -7,16 +7,19 @@ node's ranks)::
 
     memory_dir/step_00001000/metadata.json          the step's commit, the same bytes on every node
     memory_dir/step_00001000/shard-r00003-<id>.safetensors   this node's ranks' files, and the copies it holds
+    memory_dir/step_00001000/shard-r00002-<id>.safetensors.part   a copy being received
     memory_dir/step_00001000/memtier.json           which nodes hold which file, once all are copied
     memory_dir/.spare/                              the data files of the step last dropped, overwritten by the next step's
 
 A step directory is an ordinary checkpoint (the reader, ``verify`` and the checksums work on it);
 it holds every data file only where one node holds the whole step. ``metadata.json`` is sealed by
-its own checksum and committed before the copies are made, so "safe in memory" is recorded beside
-it in ``memtier.json`` rather than in it (a committed ``metadata.json`` is never rewritten).
+its own checksum and committed before any copy is, so "safe in memory" is recorded beside it in
+``memtier.json`` rather than in it (a committed ``metadata.json`` is never rewritten).
 
-Call order: as for the manager; :meth:`MemoryTier.after_commit` runs in the save's background
-thread on the background group, after the step's tier-0 commit, on every rank.
+Call order: as for the manager; a :class:`Stream` sends and receives the copies while the save's
+background threads write tier 0 (on a gloo group of its own), and :meth:`MemoryTier.after_commit`
+runs in the save's background thread on the background group, after the step's tier-0 commit,
+on every rank, and commits them.
 """
 
 from __future__ import annotations
