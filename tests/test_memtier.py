@@ -409,7 +409,8 @@ def test_memory_dir_true_is_a_directory_under_dev_shm_named_after_root(tmp_path)
 def _copy_before_commit(rank, ws, tmp, root):
     """2 nodes of one rank, step 1. Rank 0's writing thread, with its file complete, waits (in
     its progress callback, before any commit) until rank 1 has found, in its own node's
-    directory, a whole copy of that file under a .part name; rank 1's waits for that copy."""
+    directory, a whole copy of that file under a .part name; rank 1's, once its own file and
+    rank 0's are complete, waits for that copy."""
     import time
     from datetime import timedelta
 
@@ -425,8 +426,10 @@ def _copy_before_commit(rank, ws, tmp, root):
             return
         seen.append("done")
         if rank == 0:
+            store.set("test: rank 0 wrote its file", "1")
             store.wait(["test: rank 1 holds rank 0's file"], timedelta(seconds=60))
             return
+        store.wait(["test: rank 0 wrote its file"], timedelta(seconds=60))
         (name,) = [f for f in os.listdir(step0) if f.startswith("shard-r00000-") and f.endswith(".safetensors")]
         with open(os.path.join(step0, name), "rb") as f:
             want = f.read()
