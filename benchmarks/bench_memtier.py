@@ -4,13 +4,17 @@
 ``--nodes`` simulated nodes of one gloo rank each (each node with its own memory directory under
 ``--memory-root``, default ``/dev/shm``) and prints one machine-readable line::
 
-    MEMTIER nodes=4 world=4 mib_per_rank=... blocked_s=... memcpy_s=... blocked_vs_memcpy=...
-            safe_s=... raw_send_s=... safe_vs_raw_send=... restore_world=3 restore_from_peers_s=...
+    MEMTIER nodes=4 world=4 mib_per_rank=... blocked_s=... memcpy_s=... blocked_vs_memcpy=... memcpy_min_s=...
+            safe_s=... raw_send_s=... safe_vs_raw_send=... save_cpu_s=... raw_send_cpu_s=... cores=...
+            restore_world=3 restore_from_peers_s=...
             raw_copy_transfer_s=... restore_vs_raw=... restore_from_disk_cold_s=... disk_vs_peers=...
             durable_bytes_read=0 ram_per_node_x=...
 
 - ``blocked_s``: how long ``save(step)`` keeps the training loop (median over steps 2..), against
-  ``memcpy_s``, a copy of the rank's tensors into preallocated buffers;
+  ``memcpy_s``, a copy of the rank's tensors into preallocated buffers, timed as the saves are
+  (every rank at once after a barrier, the median of 5; on 2 cores 3 ranks copying at once take
+  1.5-2x as long as one alone); ``memcpy_min_s``: the fastest of those copies (until 2026-11-29
+  ``memcpy_s`` was the fastest of 3 copies without a barrier, which ranks often made alone);
 - ``safe_s``: from ``save`` until the step is safe in memory (every file on two nodes), against
   ``raw_send_s``, a ring send of the rank's bytes over the same process group (isend/irecv);
 - after the last node is lost, a job of ``nodes - 1`` ranks restores from the survivors' memory
@@ -19,7 +23,10 @@
   files dropped from the page cache (``restore_from_disk_cold_s``, ``posix_fadvise(DONTNEED)``);
   during the restore from memory the durable root is moved away, so ``durable_bytes_read=0`` is
   what happened, not what was hoped (a read there would fail the run);
-- ``ram_per_node_x``: bytes in a node's memory directory over its ranks' share of the state.
+- ``ram_per_node_x``: bytes in a node's memory directory over its ranks' share of the state;
+- ``save_cpu_s`` and ``raw_send_cpu_s``: the CPU time of one save (from ``save`` until safe) and
+  of one raw send, summed over the ranks (every thread): when the ranks share ``cores`` cores,
+  ``save_cpu_s / cores`` is the least ``safe_s`` can be, however the work overlaps.
 
 With ``--nvrx-python PATH`` (an interpreter with ``nvidia-resiliency-ext``, kept out of
 shardsafe's environment), nvidia-resiliency-ext's local checkpointing saves the same bytes per
@@ -34,6 +41,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
+import resource
 import shutil
 import socket
 import statistics
@@ -51,14 +60,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _model(world: int, mib_per_rank: float):
+def _model(world: int, mib_per_rank: float, saved_world: int | None = None):
+    """4 float32 tensors of 1024 columns, sharded on rows over ``world`` ranks, of the global
+    shapes a job of ``saved_world`` ranks (default: ``world``) with ``mib_per_rank`` each saves."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    rows = max(world, int(mib_per_rank * _MiB * world / 4 / 1024 / 4))  # 4 float32 tensors of 1024 columns
-    rows -= rows % world
+    saved = saved_world or world
+    rows = max(saved, int(mib_per_rank * _MiB * saved / 4 / 1024 / 4))
+    rows -= rows % saved  # even on the saving ranks; the restoring ones may split unevenly
     m = torch.nn.Module()
     g = torch.Generator().manual_seed(0)
     for i in range(4):
@@ -88,7 +100,8 @@ def _train(rank: int, world: int, port: int, cfg: dict, out) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in local)
     bufs = [torch.empty_like(t) for t in local]
     memcpy = []
-    for _ in range(3):
+    for _ in range(5):  # as the saves are timed: every rank at once, after a barrier
+        dist.barrier()
         t0 = time.perf_counter()
         for b, t in zip(bufs, local):
             b.copy_(t)
@@ -96,16 +109,17 @@ def _train(rank: int, world: int, port: int, cfg: dict, out) -> None:
     del bufs
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in local])
     into = torch.empty_like(flat)
-    sends = []
+    sends, send_cpu = [], []
     for _ in range(3):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         works = [dist.isend(flat, dst=(rank + 1) % world), dist.irecv(into, src=(rank - 1) % world)]
         for w in works:
             w.wait()
         sends.append(time.perf_counter() - t0)
+        send_cpu.append(_cpu() - c0)
     del flat, into
-    blocked, safe = [], []
+    blocked, safe, save_cpu = [], [], []
     mem = os.path.join(cfg["mem"], f"node{rank}")
     with CheckpointManager(cfg["root"], memory_dir=mem, node=rank, replicas=1, persist_every=cfg["steps"]) as mgr:
         for s in range(1, cfg["steps"] + 1):
@@ -113,20 +127,28 @@ def _train(rank: int, world: int, port: int, cfg: dict, out) -> None:
                 for t in local:
                     t.add_(1.0)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu()
             mgr.save(s, m)
             t1 = time.perf_counter()
             mgr.wait_until_finished()
             t2 = time.perf_counter()
             blocked.append(t1 - t0)
             safe.append(t2 - t0)
+            save_cpu.append(_cpu() - c0)
     used = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(mem) for f in fs)
     dist.barrier()
     dist.destroy_process_group()
     out.put((rank, {
-        "nbytes": nbytes, "memcpy": min(memcpy), "send": statistics.median(sends), "blocked": statistics.median(blocked[1:] or blocked),
+        "nbytes": nbytes, "memcpy": statistics.median(memcpy), "memcpy_min": min(memcpy), "send": statistics.median(sends), "blocked": statistics.median(blocked[1:] or blocked),
         "safe": statistics.median(safe[1:] or safe), "ram_x": used / nbytes,
+        "save_cpu": statistics.median(save_cpu[1:] or save_cpu), "send_cpu": statistics.median(send_cpu),
     }))
+
+
+def _cpu() -> float:
+    """CPU seconds this process has used, all its threads (the background save's and gloo's too)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _drop_cache(root: str) -> None:
@@ -148,7 +170,7 @@ def _restore(rank: int, world: int, port: int, cfg: dict, out) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    m = _model(world, cfg["mib"] * cfg["nodes"] / world)  # the same global shapes on fewer ranks
+    m = _model(world, cfg["mib"], saved_world=cfg["nodes"])  # the same global shapes on fewer ranks
     local = _locals(m)
     nbytes = sum(t.numel() * t.element_size() for t in local)
     # the raw limit of this restore: a copy of the rank's bytes and a send of them
@@ -158,7 +180,9 @@ def _restore(rank: int, world: int, port: int, cfg: dict, out) -> None:
         b.copy_(t)
     copy_s = time.perf_counter() - t0
     del bufs
-    flat = torch.empty(nbytes, dtype=torch.uint8)
+    most = torch.tensor([nbytes])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # ranks may hold a row more or less: a send and its receive match
+    flat = torch.empty(int(most), dtype=torch.uint8)
     into = torch.empty_like(flat)
     dist.barrier()
     t0 = time.perf_counter()
@@ -195,7 +219,17 @@ def _spawn(fn, world: int, cfg: dict) -> list[dict]:
     procs = [ctx.Process(target=fn, args=(r, world, port, cfg, q)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=1800) for _ in range(world))
+    got: dict = {}
+    while len(got) < world:  # a rank that died says so at once, not after a timeout
+        try:
+            rank, value = q.get(timeout=2)
+            got[rank] = value
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"bench_memtier: {fn.__name__} rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
     for p in procs:
         p.join()
     return [got[r] for r in range(world)]
@@ -235,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     fields = {
         "nodes": args.nodes, "world": args.nodes, "mib_per_rank": args.mib_per_rank,
         "blocked_s": worst("blocked"), "memcpy_s": worst("memcpy"), "blocked_vs_memcpy": worst("blocked") / worst("memcpy"),
+        "memcpy_min_s": worst("memcpy_min"),
         "safe_s": worst("safe"), "raw_send_s": worst("send"), "safe_vs_raw_send": worst("safe") / worst("send"),
+        "save_cpu_s": sum(t["save_cpu"] for t in train), "raw_send_cpu_s": sum(t["send_cpu"] for t in train),
+        "cores": len(os.sched_getaffinity(0)),
         "restore_world": lost, "restore_from_peers_s": peers, "raw_copy_transfer_s": raw, "restore_vs_raw": peers / raw,
         "restore_from_disk_cold_s": cold, "disk_vs_peers": cold / peers,
         "durable_bytes_read": 0,  # measured so: the durable root was moved away during the restore from memory

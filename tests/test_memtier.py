@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardsafe import CheckpointManager, verify
-from shardsafe.errors import CheckpointError
+from shardsafe.errors import CheckpointError, RankMismatchError
 from shardsafe.memtier import (
     SAFE_FILENAME,
     SPARE_DIRNAME,
@@ -399,6 +399,237 @@ def test_memory_dir_true_is_a_directory_under_dev_shm_named_after_root(tmp_path)
             assert mgr.restore(model=model) == 7 and mgr.last_restore.tier == "memory"
     finally:
         shutil.rmtree(want, ignore_errors=True)
+
+
+
+
+# --- the copies stream while tier 0 is written ---------------------------------------------------
+
+
+def _copy_before_commit(rank, ws, tmp, root):
+    """2 nodes of one rank, step 1. Rank 0's writing thread, with its file complete, waits (in
+    its progress callback, before any commit) until rank 1 has found, in its own node's
+    directory, a whole copy of that file under a .part name; rank 1's, once its own file and
+    rank 0's are complete, waits for that copy."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    step0 = os.path.join(tmp, "node0", "step_00000001")
+    step1 = os.path.join(tmp, "node1", "step_00000001")
+    seen: list[str] = []
+
+    def progress(done: int, total: int) -> None:
+        if done < total or seen:
+            return
+        seen.append("done")
+        if rank == 0:
+            store.set("test: rank 0 wrote its file", "1")
+            store.wait(["test: rank 1 holds rank 0's file"], timedelta(seconds=60))
+            return
+        store.wait(["test: rank 0 wrote its file"], timedelta(seconds=60))
+        (name,) = [f for f in os.listdir(step0) if f.startswith("shard-r00000-") and f.endswith(".safetensors")]
+        with open(os.path.join(step0, name), "rb") as f:
+            want = f.read()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with open(os.path.join(step1, name + ".part"), "rb") as f:
+                    if f.read() == want:
+                        break
+            except FileNotFoundError:
+                pass
+            assert time.monotonic() < deadline, f"no whole copy of {name} on node 1 before the commit"
+            time.sleep(0.01)
+        assert "metadata.json" not in os.listdir(step0)  # tier 0 has not committed
+        seen.append(name)
+        store.set("test: rank 1 holds rank 0's file", "1")
+
+    model = Sharded(ws)
+    model.set_step(1)
+    with _mgr(tmp, root, rank, persist_every=100) as mgr:
+        assert mgr.save(1, model, progress=progress)
+        mgr.wait_until_finished()
+    return seen, _safe(tmp, rank, 1), sorted(os.listdir(step1 if rank == 1 else step0))
+
+
+def test_a_copy_is_received_while_tier_0_is_written_and_committed_after(tmp_path) -> None:
+    """The copy of rank 0's file reaches node 1 (as a .part file, bit for bit) before tier 0
+    commits, and is renamed once it has: the copies no longer wait for the commit to start."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    (seen0, safe0, _), (seen1, safe1, held1) = run_ranks(2, _copy_before_commit, tmp, root)
+    assert seen0 == ["done"] and seen1[0] == "done" and seen1[1].startswith("shard-r00000-")
+    assert (safe0, safe1) == (True, True)
+    assert seen1[1] in held1 and not [f for f in held1 if f.endswith(".part")], held1
+
+
+def _write_failing_mid_file(rank, ws, tmp, root):
+    """3 nodes of one rank, 4 MiB per rank (several blocks): at step 2 rank 1's write fails half
+    way through its file (its progress callback raises), while its copy streams to node 2."""
+    big = {k: torch.randn(1 << 20) for k in ("x", "y")}  # 8 MiB of this rank's own
+    torch.manual_seed(rank)
+
+    def progress(done: int, total: int) -> None:
+        if rank == 1 and 0 < done < total and done >= total // 2:
+            raise OSError(5, "Input/output error (injected)")
+
+    model = Sharded(ws)
+    error = None
+    with _mgr(tmp, root, rank, persist_every=100) as mgr:
+        for s in (1, 2, 3):
+            model.set_step(s)
+            assert mgr.save(s, model, extra={"big": _Tensors(big)}, progress=progress if s == 2 else None)
+            try:
+                mgr.wait_until_finished()
+            except CheckpointError as e:
+                error = (s, str(e))
+    path = os.path.join(tmp, f"node{rank}")
+    parts = [f for dp, _, fs in os.walk(path) for f in fs if f.endswith(".part")]
+    return error, parts, _safe(tmp, rank, 2), _safe(tmp, rank, 3)
+
+
+class _Tensors:
+    def __init__(self, d: dict) -> None:
+        self.d = d
+
+    def state_dict(self) -> dict:
+        return dict(self.d)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.d = dict(sd)
+
+
+def test_a_write_failing_mid_file_fails_every_rank_and_leaves_no_part_file(tmp_path) -> None:
+    """Rank 1's tier-0 write fails half way through its file at step 2: the blocks it cannot
+    send go as zeros (node 2 waits for every block announced), step 2 fails on every rank with
+    rank 1's error, no .part file is left on any node, and step 3 saves and is safe."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    for error, parts, safe2, safe3 in run_ranks(3, _write_failing_mid_file, tmp, root):
+        assert error is not None and error[0] == 2 and "Input/output error (injected)" in error[1], error
+        assert parts == [] and safe2 is None and safe3 is True
+
+
+# --- the caller's thread: no collective -------------------------------------------------------------
+
+
+class _Count:
+    """A stateful extra object; ``fail`` makes its state_dict() raise (a broken object on one rank)."""
+
+    def __init__(self, n: int, fail: bool = False) -> None:
+        self.n, self.fail = n, fail
+
+    def state_dict(self) -> dict:
+        if self.fail:
+            raise ValueError("state_dict broke (injected)")
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def _safe(tmp: str, node: int, step: int) -> bool | None:
+    path = os.path.join(tmp, f"node{node}", f"step_{step:08d}", SAFE_FILENAME)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["safe"]
+
+
+def _save_before_the_others_call(rank, ws, tmp, root):
+    """Rank 0's save(1) returns before rank 1 has called save at all (rank 1 waits, through the
+    store, for rank 0 to say it returned): the caller's thread meets no other rank."""
+    import dataclasses
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardsafe.knobs import KNOBS
+
+    store = dist.distributed_c10d._get_default_store()
+    model = Sharded(ws)
+    model.set_step(1)
+    with _mgr(tmp, root, rank, persist_every=100, knobs=dataclasses.replace(KNOBS, collective_timeout_s=20)) as mgr:
+        if rank == 0:
+            assert mgr.save(1, model)
+            store.set("test: rank 0's save returned", "1")
+        else:
+            store.wait(["test: rank 0's save returned"], timedelta(seconds=40))
+            assert mgr.save(1, model)
+        mgr.wait_until_finished()
+    return _safe(tmp, rank, 1)
+
+
+def test_save_returns_before_the_other_ranks_call_it(tmp_path) -> None:
+    """With the memory tier, save() runs no collective in the caller's thread (the check-in and
+    the comparison of extra names happen in the background save's first gather): rank 0's save
+    returns while rank 1 has not called save yet, and the step is then safe on both nodes."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    assert run_ranks(2, _save_before_the_others_call, tmp, root) == [True, True]
+
+
+def _different_extra_names(rank, ws, tmp, root):
+    model = Sharded(ws)
+    with _mgr(tmp, root, rank, persist_every=100) as mgr:
+        model.set_step(1)
+        assert mgr.save(1, model, extra={"a": _Count(rank)} if rank == 0 else None)  # returns: checked in the background
+        with pytest.raises(RankMismatchError) as e:
+            mgr.wait_until_finished()
+        d = os.path.join(tmp, f"node{rank}", "step_00000001")
+        held1 = sorted(os.listdir(d)) if os.path.isdir(d) else []
+        model.set_step(2)
+        assert mgr.save(2, model, extra={"a": _Count(rank)})
+        mgr.wait_until_finished()
+    return str(e.value), held1, _safe(tmp, rank, 2)
+
+
+def test_different_extra_names_fail_every_rank_before_anything_commits(tmp_path) -> None:
+    """Ranks passing different extra names: every rank raises RankMismatchError naming them (at
+    the next call that waits for the save), no tier-0 metadata.json is written, and the next
+    step saves and is safe."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    out = run_ranks(2, _different_extra_names, tmp, root)
+    want = "CheckpointManager.save: step 1: every rank must pass the same extra names (rank 0: ['a']; rank 1: [])"
+    for message, held1, safe2 in out:
+        assert message == f"1 rank(s) failed: rank 0: RankMismatchError: {want}"
+        assert "metadata.json" not in held1, held1
+        assert safe2 is True
+
+
+def _broken_extra_on_rank_1(rank, ws, tmp, root):
+    from shardsafe.errors import CollectiveError
+
+    model = Sharded(ws)
+    with _mgr(tmp, root, rank, persist_every=100) as mgr:
+        model.set_step(1)
+        if rank == 1:
+            with pytest.raises(ValueError, match=r"state_dict broke \(injected\)"):
+                mgr.save(1, model, extra={"c": _Count(rank, fail=True)})
+            error = None
+        else:
+            assert mgr.save(1, model, extra={"c": _Count(rank)})
+            with pytest.raises(CollectiveError) as e:
+                mgr.wait_until_finished()
+            error = str(e.value)
+        model.set_step(2)
+        assert mgr.save(2, model, extra={"c": _Count(rank)})
+        mgr.wait_until_finished()
+    return error, os.path.exists(os.path.join(tmp, f"node{rank}", "step_00000001", "metadata.json")), _safe(tmp, rank, 2)
+
+
+def test_an_extra_object_failing_on_one_rank_fails_the_others_at_once(tmp_path) -> None:
+    """An extra object whose state_dict() raises on rank 1: rank 1's save raises it; rank 0's
+    save has returned and its background check-in fails at once with rank 1's reason (no wait
+    for the timeout); nothing of step 1 commits, and step 2 saves and is safe."""
+    tmp, root = str(tmp_path / "mem"), str(tmp_path / "durable")
+    (error0, meta0, safe0), (error1, meta1, safe1) = run_ranks(2, _broken_extra_on_rank_1, tmp, root)
+    assert error1 is None
+    assert error0 == (
+        "shardsafe.CheckpointManager.save: rank 1 gave up this call before checking in, so it cannot complete: "
+        "ValueError: state_dict broke (injected)"
+    )
+    assert (meta0, meta1) == (False, False) and (safe0, safe1) == (True, True)
 
 
 # --- bad input -------------------------------------------------------------------------------------

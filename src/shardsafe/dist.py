@@ -49,8 +49,8 @@ from .errors import CheckpointError, CollectiveError, MissingRanksError
 from .knobs import KNOBS
 
 __all__ = [
-    "Comm", "Failed", "RankFailure", "all_gather_objects", "background_comm", "broadcast_in", "collective_counts", "get_comm",
-    "group_rank", "group_size", "group_timeout_s", "raise_failures", "uses_nccl", "wait_limit",
+    "Comm", "Failed", "RankFailure", "Sending", "all_gather_objects", "background_comm", "broadcast_in", "collective_counts", "get_comm",
+    "group_rank", "group_size", "group_timeout_s", "raise_failures", "replication_comm", "uses_nccl", "wait_limit",
 ]
 
 T = TypeVar("T")
@@ -464,6 +464,19 @@ class Comm:
         del works
         _await_release(tensors, before)
 
+    def start_sends(self, sends: list[tuple[int, int, torch.Tensor]]) -> Sending:
+        """:meth:`exchange`'s sends, started and not waited for: each ``(rank, tag, tensor)`` goes
+        to that rank of this comm (see :meth:`Sending.add`); more may be added to the returned
+        :class:`Sending` as bytes become ready, while the receivers wait in :meth:`exchange`."""
+        if sends and not self.distributed:
+            raise CollectiveError(f"{self.call}: a point-to-point transfer needs a process group of more than one rank")
+        out = Sending(self)
+        if sends:
+            self._count("exchange")
+        for dst, tag, t in sends:
+            out.add(dst, tag, t)
+        return out
+
     # --- arrival ------------------------------------------------------------------------------------
 
     def arrive(self, timeout_s: float) -> None:
@@ -541,6 +554,56 @@ class Comm:
         else:
             which = "the wait is knobs.collective_timeout_s"
         return MissingRanksError(f"{self.call}: {what}{also}: {hint} ({which})")
+
+
+class Sending:
+    """Sends started by :meth:`Comm.start_sends` or :meth:`add`; :meth:`wait` waits for all."""
+
+    def __init__(self, comm: Comm) -> None:
+        self._comm = comm
+        self._works: list[Any] = []
+        self._tensors: list[torch.Tensor] = []
+        self._error: BaseException | None = None
+
+    def add(self, dst: int, tag: int, tensor: torch.Tensor) -> None:
+        """Start sending ``tensor`` (CPU) to rank ``dst`` of the comm, under ``tag``. ``tensor``
+        must be an object no one else keeps (a fresh view, say ``t[a:b]``): the Sending holds it
+        until :meth:`wait`, and tells the backend's hold on it by its reference count."""
+        self._tensors.append(tensor)
+        try:
+            group = self._comm._cpu_group()
+            self._works.append(dist.isend(tensor, dst=self._comm.global_ranks[dst], group=group, tag=tag))
+        except RuntimeError as e:
+            self._error = self._error or self._failed(e)
+
+    def extend(self, other: Sending) -> None:
+        """Take over ``other``'s sends (to wait for them all at once)."""
+        self._works += other._works
+        self._tensors += other._tensors
+        self._error = self._error or other._error
+        other._works, other._tensors = [], []
+
+    def wait(self) -> None:
+        """Wait until every send is done (raising ``CollectiveError`` if one failed: a peer died)
+        and the backend has let go of its tensor."""
+        while self._works:  # each work dropped once done: a work holds its tensor
+            try:
+                self._works.pop().wait()
+            except RuntimeError as e:
+                self._error = self._error or self._failed(e)
+        _await_release(self._tensors, [_SOLE] * len(self._tensors))
+        self._tensors = []
+        if self._error is not None:
+            raise self._error
+
+    def _failed(self, e: RuntimeError) -> CollectiveError:
+        c = self._comm
+        err = CollectiveError(
+            f"{c.call}: a point-to-point transfer among ranks {c.global_ranks} failed on rank {c.global_rank}: "
+            f"{_first_line(e)} (did a rank of the process group die or lose its connection?)"
+        )
+        err.__cause__ = e
+        return err
 
 
 _STORE_LOCK = threading.Lock()
@@ -699,7 +762,7 @@ def _gloo_group(group: dist.ProcessGroup, purpose: str, *, timeout: timedelta | 
     return pg
 
 
-_BACKGROUND_GROUPS: dict[Any, dist.ProcessGroup] = {}  # process group -> its gloo group for background commits
+_SIDE_COMMS: dict[tuple[Any, str], dist.ProcessGroup] = {}  # (process group, purpose) -> a gloo group of its own
 
 
 def background_comm(comm: Comm, *, timeout_s: float) -> Comm:
@@ -711,16 +774,28 @@ def background_comm(comm: Comm, *, timeout_s: float) -> Comm:
     or the process group's own timeout, whichever is shorter, for a peer fails with
     ``CollectiveError`` rather than hanging.
     """
+    return _side_comm(comm, "background", timeout_s)
+
+
+def replication_comm(comm: Comm, *, timeout_s: float) -> Comm:
+    """A ``Comm`` of the same ranks as ``comm`` on a gloo group of its own for bulk point-to-point
+    copies (the memory tier's), made as :func:`background_comm` makes its group: its own
+    connections, so megabytes in flight there never hold up a background commit's small
+    collectives queued behind them on the same socket."""
+    return _side_comm(comm, "replication", timeout_s)
+
+
+def _side_comm(comm: Comm, purpose: str, timeout_s: float) -> Comm:
     if not comm.distributed:
         return Comm(None, call=comm.call)  # one rank: its own error is the error
-    side = _BACKGROUND_GROUPS.get(comm.group)
+    side = _SIDE_COMMS.get((comm.group, purpose))
     if side is None:
-        side = _gloo_group(comm.group, "background", timeout=timedelta(seconds=wait_limit(comm.group, timeout_s)))  # type: ignore[arg-type]
-        _BACKGROUND_GROUPS[comm.group] = side
+        side = _gloo_group(comm.group, purpose, timeout=timedelta(seconds=wait_limit(comm.group, timeout_s)))  # type: ignore[arg-type]
+        _SIDE_COMMS[(comm.group, purpose)] = side
     out = Comm(side, call=comm.call, own_as_is=False)  # one error, worded the same on every rank
     if out.global_ranks != comm.global_ranks:  # new_group orders ranks by number; a group given in another order
         raise CollectiveError(
-            f"{comm.call}: the background group's ranks {out.global_ranks} are not in the order of the process group's "
+            f"{comm.call}: the {purpose} group's ranks {out.global_ranks} are not in the order of the process group's "
             f"{comm.global_ranks}; pass a process group whose ranks are in increasing order"
         )
     return out
@@ -767,6 +842,7 @@ def _refcounts(tensors: list[torch.Tensor]) -> list[int]:
     return [sys.getrefcount(t) for t in tensors]
 
 
+_SOLE = _refcounts([torch.empty(0)])[0]  # what _refcounts counts for a tensor that only its list holds
 _release_wait = True  # turned off if a backend keeps its tensors longer than _RELEASE_WAIT_S
 
 

@@ -39,7 +39,7 @@ from .adapters.stateful import ExtraRestore, check_extra, extra_targets, extra_v
 from .api import load_model_and_more, model_and_optim_values
 from .dist import Comm, background_comm, get_comm
 from .engine.background import AsyncSave
-from .engine.writer import async_save_state
+from .engine.writer import abandon_save, async_save_state
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -170,8 +170,12 @@ class CheckpointManager:
             memory_dir = default_memory_dir(self.root)
         if memory_dir is not None:
             self._memory = MemoryTier(
-                os.fspath(memory_dir), node=node, replicas=replicas, groups=replica_groups, comm=self._comm, root_url=self.root
+                os.fspath(memory_dir), node=node, replicas=replicas, groups=replica_groups, comm=self._comm, root_url=self.root,
+                timeout_s=self._knobs.collective_timeout_s,
             )
+            # the background saves' group, made now while every rank is here: a save's caller
+            # then meets no other rank, not even the first time
+            background_comm(self._comm, timeout_s=self._knobs.collective_timeout_s)
         if save_on_signal is not None:
             self._install_handler(save_on_signal)
 
@@ -244,7 +248,12 @@ class CheckpointManager:
         With ``memory_dir`` every call saves (to memory; its copies to other nodes are made in
         the background, and the next call waits for them) and returns True; the step also goes to
         ``root`` when it is a multiple of ``persist_every``, when a ``save_on_signal`` signal
-        arrived, or with ``force``.
+        arrived, or with ``force``. It runs no collective in the caller's thread (but for
+        ``save_on_signal``'s one int): the ranks check in and compare their extra names in the
+        background, so a rank that does not call save, or passes other extra names, makes every
+        rank's next call that waits for the save (``save``, ``wait_until_finished``, ``restore``,
+        ``close``) raise, and nothing of the step is committed; an error of this rank's own
+        objects is raised here, and by the others' next waiting call at once.
         """
         func = "CheckpointManager.save"
         self._check_open("save")
@@ -270,56 +279,70 @@ class CheckpointManager:
                 f"{self._step_url(step)}: step {step} is already committed; a manager never replaces a step. Save under "
                 "another step, or delete that directory first"
             )
-        comm = self._call_comm()
         built: dict[str, Any] = {}
-
         memory = self._memory
         if memory is not None:
             persist = persist and step not in self._steps
+        damaged = self._damaged.get(step)
+        # the ranks meet in the background; only committed-or-not travels back, not the metadata
+        save_comm = get_comm(
+            process_group=self._group, call="shardsafe.CheckpointManager.save", timeout_s=self._knobs.collective_timeout_s, arrive=False
+        )
+        # with the memory tier the caller's thread runs no collective at all (every step pays
+        # for it): the ranks check in, clear the step's directories and compare extra names
+        # inside the background save's first gather
+        comm = self._call_comm() if memory is None else save_comm
+
+        def clear() -> None:  # before any rank writes
+            if memory is not None:  # a stale copy of this step (saved again after a restore)
+                memory.clear_step(step_dir_name(step))
+            if damaged is not None and comm.is_coordinator and persist:
+                log.warning("CheckpointManager: step %d under %s is damaged (%s); removing it to save step %d afresh", step, self.root, damaged, step)
+                self._remove(step_dir_name(step))
 
         def build() -> list[str]:
-            if memory is not None:  # a stale copy of this step (saved again after a restore): gone before any rank writes
-                memory.clear_step(step_dir_name(step))
-            if step in self._damaged and comm.is_coordinator and persist:  # before any rank writes: the all-gather is the barrier
-                log.warning(
-                    "CheckpointManager: step %d under %s is damaged (%s); removing it to save step %d afresh",
-                    step, self.root, self._damaged[step], step,
-                )
-                self._remove(step_dir_name(step))
+            if memory is None:  # the all-gather below is the barrier
+                clear()
             built.update(model_and_optim_values(model, optim) if model is not None else {})
             built.update(extra_values(extra, comm.rank))
             built[RECORD_KEY] = {"step": step, "world_size": comm.world_size, "extra": sorted(extra)}
             return sorted(extra)
 
-        # one collective: an object that cannot be stored fails every rank here, at once, and
-        # ranks that pass different extra names are told so
-        names = comm.all_gather(build)
-        comm.raise_failures(names)
-        self._damaged.pop(step, None)
-        if any(n != names[0] for n in names):
-            detail = "; ".join(f"rank {comm.global_ranks[r]}: {n}" for r, n in enumerate(names))
-            raise RankMismatchError(f"{func}: step {step}: every rank must pass the same extra names ({detail})")
-        state = built
-        # the ranks meet in the background; only committed-or-not travels back, not the metadata
-        save_comm = get_comm(
-            process_group=self._group, call="shardsafe.CheckpointManager.save", timeout_s=self._knobs.collective_timeout_s, arrive=False
-        )
+        def same_names(names: list[list[str]]) -> None:
+            if any(n != names[0] for n in names):
+                detail = "; ".join(f"rank {comm.global_ranks[r]}: {n}" for r, n in enumerate(names))
+                raise RankMismatchError(f"{func}: step {step}: every rank must pass the same extra names ({detail})")
+
         if memory is None:
+            # one collective: an object that cannot be stored fails every rank here, at once, and
+            # ranks that pass different extra names are told so
+            names = comm.all_gather(build)
+            comm.raise_failures(names)
+            self._damaged.pop(step, None)
+            same_names(names)  # type: ignore[arg-type]
             handle = async_save_state(
-                self._root.child(step_dir_name(step)), state, save_overwrite=False, allow_pickle=False, comm=save_comm,
+                self._root.child(step_dir_name(step)), built, save_overwrite=False, allow_pickle=False, comm=save_comm,
                 knobs=self._knobs, want_meta=False, progress=bar,
             )
         else:
+            try:
+                mine = build()
+            except Exception as e:  # the other ranks learn it at their background check-in, at once
+                abandon_save(save_comm, self._knobs, e)
+                raise
+            self._damaged.pop(step, None)
             durable = self._root.child(step_dir_name(step)) if persist else None
             timeout = self._knobs.collective_timeout_s
 
+            stream = memory.stream(step_dir_name(step))  # the copies, sent while tier 0 is written
+
             def tiers(out: tuple[Any, list[str]]) -> SavedInMemory:  # in the background, once tier 0 committed
                 side = background_comm(save_comm, timeout_s=timeout)
-                return memory.after_commit(side, step, step_dir_name(step), out[1], durable)
+                return memory.after_commit(side, step, step_dir_name(step), out[1], durable, stream)
 
             handle = async_save_state(
-                memory.step_storage(step_dir_name(step)), state, save_overwrite=False, allow_pickle=False, comm=save_comm,
-                knobs=self._knobs, want_meta=False, progress=bar, result=tiers,
+                memory.step_storage(step_dir_name(step)), built, save_overwrite=False, allow_pickle=False, comm=save_comm,
+                knobs=self._knobs, want_meta=False, progress=bar, result=tiers, first=clear, agree=(mine, same_names), tee=stream,
             )
         self._inflight = (step, handle)
         self._requested = False

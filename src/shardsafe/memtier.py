@@ -7,16 +7,19 @@ node's ranks)::
 
     memory_dir/step_00001000/metadata.json          the step's commit, the same bytes on every node
     memory_dir/step_00001000/shard-r00003-<id>.safetensors   this node's ranks' files, and the copies it holds
+    memory_dir/step_00001000/shard-r00002-<id>.safetensors.part   a copy being received
     memory_dir/step_00001000/memtier.json           which nodes hold which file, once all are copied
     memory_dir/.spare/                              the data files of the step last dropped, overwritten by the next step's
 
 A step directory is an ordinary checkpoint (the reader, ``verify`` and the checksums work on it);
 it holds every data file only where one node holds the whole step. ``metadata.json`` is sealed by
-its own checksum and committed before the copies are made, so "safe in memory" is recorded beside
-it in ``memtier.json`` rather than in it (a committed ``metadata.json`` is never rewritten).
+its own checksum and committed before any copy is, so "safe in memory" is recorded beside it in
+``memtier.json`` rather than in it (a committed ``metadata.json`` is never rewritten).
 
-Call order: as for the manager; :meth:`MemoryTier.after_commit` runs in the save's background
-thread on the background group, after the step's tier-0 commit, on every rank.
+Call order: as for the manager; a :class:`Stream` sends and receives the copies while the save's
+background threads write tier 0 (on a gloo group of its own), and :meth:`MemoryTier.after_commit`
+runs in the save's background thread on the background group, after the step's tier-0 commit,
+on every rank, and commits them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import mmap
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,13 +41,14 @@ from typing import Any
 import torch
 
 from .adapters import LocalTensor
-from .dist import Comm
+from .dist import Comm, Sending, replication_comm
 from .errors import CheckpointError, IncompleteCheckpointError
 from .format.metadata import METADATA_FILENAME, StorageMetadata, sealed_data_files
+from .planning.save_plan import data_file_rank
 from .storage import HeldFiles, Storage, open_storage
 
 __all__ = [
-    "SAFE_FILENAME", "SPARE_DIRNAME", "MemoryTier", "RestoreReport", "SavedInMemory", "Transfer", "default_memory_dir", "fetch_plan", "newest_complete_step",
+    "SAFE_FILENAME", "SPARE_DIRNAME", "MemoryTier", "RestoreReport", "SavedInMemory", "Stream", "Transfer", "default_memory_dir", "fetch_plan", "newest_complete_step",
     "node_of_this_process", "replica_nodes", "replication_plan",
 ]
 
@@ -52,6 +57,8 @@ log = logging.getLogger(__name__)
 SAFE_FILENAME = "memtier.json"
 _PART = ".part"  # a copy being received; renamed to its name once whole
 _FAIL_FINISH: Callable[[str], None] | None = None  # tests: called before a received copy is renamed to its name
+_BLOCK = 4 << 20  # bytes per message of a copy streamed while tier 0 writes it (a multiple of the page size)
+_HEAD = 512  # a streamed copy's first message: the file's size (int64, -1: no file) and its name (UTF-8)
 SPARE_DIRNAME = ".spare"  # a dropped step's data files, kept to write the next step's files into
 
 
@@ -271,13 +278,15 @@ def _map_for_writing(fd: int, size: int, *, allocate: bool) -> mmap.mmap:
 class MemoryTier:
     """One rank's view of the memory tier: its node's directory and the job's placement.
 
-    Created by every rank together (one all-gather of the node names). ``node`` names this
-    rank's node (ranks with the same name share ``memory_dir``); ``replicas`` copies of each
-    file go to other nodes, placed by :func:`replica_nodes`.
+    Created by every rank together (one all-gather of the node names, and the gloo group the
+    copies travel on). ``node`` names this rank's node (ranks with the same name share
+    ``memory_dir``); ``replicas`` copies of each file go to other nodes, placed by
+    :func:`replica_nodes`.
     """
 
     def __init__(
         self, memory_dir: str, *, node: int | str | None, replicas: int, groups: list[list[int]] | None, comm: Comm, root_url: str,
+        timeout_s: float,
     ) -> None:
         self.dir = os.path.abspath(os.fspath(memory_dir))
         os.makedirs(self.dir, exist_ok=True)
@@ -292,6 +301,11 @@ class MemoryTier:
         self.rank = comm.rank
         self.leader = self.nodes.index(self.node) == comm.rank  # the node's first rank writes its shared files
         self.targets = replica_nodes(self.nodes, replicas, groups)
+        # who streams its file to whom, whatever each rank writes (a rank without a file says so)
+        pairs = replication_plan(self.nodes, [("", 0)] * len(self.nodes), self.targets)
+        self.send_to = [t.dst for t in pairs if t.src == comm.rank]
+        self.recv_from = [t.src for t in pairs if t.dst == comm.rank]
+        self.copies = replication_comm(comm, timeout_s=timeout_s)  # every rank is here: the group is made now
         if len(set(self.nodes)) > 1 and any(len(t) < replicas for t in self.targets.values()):
             log.warning(
                 "CheckpointManager: replicas=%d but some nodes have only %s other node(s) to copy to", replicas,
@@ -383,28 +397,41 @@ class MemoryTier:
 
     # --- save: after the tier-0 commit, in the background -----------------------------------------
 
-    def after_commit(self, side: Comm, step: int, step_dir: str, own: list[str], persist: Storage | None) -> SavedInMemory:
-        """Every rank, on the background group: the step's ``metadata.json`` to every node, each
-        rank's file to its replica nodes, the safe record, then tier 2 (``persist``: the step's
-        durable location, or None), then the node's older steps removed."""
+    def stream(self, step_dir: str) -> Stream:
+        """The copies of one step, streamed while tier 0 is written: the save's ``tee``, then
+        :meth:`after_commit`'s."""
+        return Stream(self, self.step_path(step_dir))
+
+    def after_commit(
+        self, side: Comm, step: int, step_dir: str, own: list[str], persist: Storage | None, stream: Stream,
+    ) -> SavedInMemory:
+        """Every rank, on the background group, once tier 0 committed: the step's ``metadata.json``
+        to every node, the copies ``stream`` received (sent while tier 0 was written) checked
+        against the step's files and committed, the safe record, then tier 2 (``persist``: the
+        step's durable location, or None), then the node's older steps removed."""
         path = self.step_path(step_dir)
         times = [time.perf_counter()]
-        raw = side.broadcast(lambda: _read(os.path.join(path, METADATA_FILENAME)))
         mine = [os.path.basename(f) for f in own]
+        try:
+            raw = side.broadcast(lambda: _read(os.path.join(path, METADATA_FILENAME)))
 
-        def here() -> tuple[str, int] | None:  # a failure here (a full tmpfs) reaches every rank in the all-gather
-            if self.leader and not os.path.exists(os.path.join(path, METADATA_FILENAME)):
-                os.makedirs(path, exist_ok=True)
-                _write_atomic(os.path.join(path, METADATA_FILENAME), raw)
-            return (mine[0], os.path.getsize(os.path.join(path, mine[0]))) if mine else None
+            files = _rank_files(raw, f"{path}/{METADATA_FILENAME}", len(self.nodes))
+            plan = replication_plan(self.nodes, files, self.targets)
+            times.append(time.perf_counter())
 
-        files = side.all_gather(here)
-        side.raise_failures(files)
-        plan = replication_plan(self.nodes, files, self.targets)
-        times.append(time.perf_counter())
-        # every copy received whole and renamed on every node (a failure anywhere fails every
-        # rank here) before any node records the step safe
-        self._run_transfers(side, plan, path, into_dir=True)
+            def commit() -> None:
+                if self.leader and not os.path.exists(os.path.join(path, METADATA_FILENAME)):
+                    os.makedirs(path, exist_ok=True)
+                    _write_atomic(os.path.join(path, METADATA_FILENAME), raw)
+                stream.commit([t for t in plan if t.dst == self.rank])
+
+            # metadata.json on every node, and every copy received whole, as the step's files
+            # say, and renamed on every node (a failure anywhere, a full tmpfs, fails every rank
+            # here) before any node records the step safe
+            side.check(commit)
+        except BaseException:
+            stream.failed()
+            raise
         times.append(time.perf_counter())
         holders: dict[str, list[int]] = {}
         for r, f in enumerate(files):
@@ -423,16 +450,15 @@ class MemoryTier:
             self._drop_older(step_dir)
         times.append(time.perf_counter())
         log.debug(
-            "memory tier: step %d on rank %d: metadata to every node %.3f s, copies %.3f s, safe record %.3f s, persist and "
+            "memory tier: step %d on rank %d: metadata to every node %.3f s, copies' end and commit %.3f s, safe record %.3f s, persist and "
             "cleanup %.3f s", step, self.rank, *(b - a for a, b in zip(times, times[1:])),
         )
         return SavedInMemory(step, safe, persist is not None)
 
-    def _run_transfers(self, comm: Comm, plan: list[Transfer], path: str, *, into_dir: bool, held: HeldFiles | None = None) -> int:
-        """Send and receive the whole files of ``plan``; received files go into the step's
-        directory (``into_dir``) or into ``held``. Returns the bytes received."""
+    def _run_transfers(self, comm: Comm, plan: list[Transfer], path: str, held: HeldFiles) -> int:
+        """(Restore.) Send whole files of the node's step directory ``path`` and receive them
+        into ``held``, as ``plan`` says. Returns the bytes received."""
         sends, recvs, maps, receiving = [], [], [], []
-        got = 0
 
         def post() -> None:
             for tag, t in enumerate(plan):
@@ -441,25 +467,13 @@ class MemoryTier:
                     sends.append((t.dst, tag, tensor))
                     maps.append(mm)
                 if t.dst == self.rank:
-                    if into_dir:
-                        r = _Receiving(os.path.join(path, t.file), t.size, self.claim_spare)
-                        receiving.append(r)
-                        recvs.append((t.src, tag, r.tensor))
-                    else:
-                        buf = torch.empty(t.size, dtype=torch.uint8)
-                        receiving.append((t.file, buf))
-                        recvs.append((t.src, tag, buf))
+                    buf = torch.empty(t.size, dtype=torch.uint8)
+                    receiving.append((t.file, buf))
+                    recvs.append((t.src, tag, buf))
 
         try:
             comm.check(post)  # a file that cannot be opened fails every rank before any transfer
             comm.exchange(sends, recvs)
-        except BaseException:
-            sends.clear()
-            recvs.clear()
-            for r in receiving:
-                if isinstance(r, _Receiving):
-                    r.abandon()
-            raise
         finally:
             sends.clear()  # the tensors over the mappings go before the mappings
             recvs.clear()
@@ -467,28 +481,11 @@ class MemoryTier:
                 if mm is not None:
                     with contextlib.suppress(BufferError):  # still held by a failed transfer: left to the collector
                         mm.close()
-
-        def finish() -> int:
-            n = 0
-            for r in receiving:
-                if isinstance(r, _Receiving):
-                    n += r.mm.size() if r.mm is not None else 0
-                    r.finish()
-                else:
-                    held.add(r[0], r[1].numpy())  # type: ignore[union-attr]
-                    n += r[1].numel()
-            return n
-
-        if into_dir:  # a copy that cannot be committed (renamed) fails every rank, not one left alone
-            try:
-                got = comm.check(finish)
-            except BaseException:
-                for r in receiving:
-                    r.abandon()
-                raise
-        else:
-            got = finish()
-        return got
+        n = 0
+        for name, buf in receiving:
+            held.add(name, buf.numpy())
+            n += buf.numel()
+        return n
 
     def _drop_older(self, step_dir: str) -> None:
         """Drop the node's steps older than ``step_dir`` (now safe), their data files kept as
@@ -569,7 +566,7 @@ class MemoryTier:
             sizes = comm.all_gather(lambda: size)
             comm.raise_failures(sizes)
             src = self.nodes.index(meta_nodes[0])
-            self._run_transfers(comm, [Transfer(METADATA_FILENAME, max(sizes), src, 0)], path, into_dir=False, held=held)
+            self._run_transfers(comm, [Transfer(METADATA_FILENAME, max(sizes), src, 0)], path, held)
 
         def fetch(meta: StorageMetadata, targets: list[LocalTensor]) -> None:
             def needs() -> list[str]:
@@ -580,13 +577,218 @@ class MemoryTier:
             asked = comm.all_gather(needs)
             comm.raise_failures(asked)
             plan = fetch_plan(self.nodes, asked, holders, named)
-            report.peer_bytes = self._run_transfers(comm, plan, path, into_dir=False, held=held)
+            report.peer_bytes = self._run_transfers(comm, plan, path, held)
             report.files = {t.file: f"rank {comm.global_ranks[t.src]}" for t in plan if t.dst == self.rank}
             report.files.update({f: "local" for f in sorted(wanted & local)})
             report.local_bytes = sum(named[f] for f in wanted & local)
 
         load(held, fetch)
         return report
+
+
+class Stream:
+    """One save's copies, made while tier 0 is written (the engine's ``FileTee``): this rank's
+    file goes to its replica ranks (``send_to``) in blocks of ``_BLOCK`` bytes, each sent as soon
+    as the file holds it, from a mapping of the file (the bytes are not read again); the copies
+    of the ranks it holds copies of (``recv_from``) are received, by a thread of their own,
+    straight into ``.part`` files of the node's step directory, renamed by :meth:`commit` once
+    tier 0 committed and every copy is whole, removed by :meth:`failed` otherwise.
+
+    Every rank that begins sends every block it announced, the rest as zeros if its write
+    failed (the save then fails on every rank), so no receiver waits for bytes that never come.
+    """
+
+    def __init__(self, tier: MemoryTier, path: str) -> None:
+        self._tier, self._comm, self._path = tier, tier.copies, path
+        self._sending: Sending = self._comm.start_sends([])
+        self._lock = threading.Lock()
+        self._file: str | None = None
+        self._size = -1
+        self._next = 0  # the first block not sent yet
+        self._fd: int | None = None
+        self._maps: list[mmap.mmap] = []
+        self._zeros: torch.Tensor | None = None
+        self._receiving: dict[int, _Receiving] = {}  # sender -> its copy
+        self._announced: dict[int, tuple[str, int]] = {}  # sender -> the file and size it announced
+        self._receiver: threading.Thread | None = None
+        self._errors: list[BaseException] = []
+        self._done = False
+
+    # --- the engine's FileTee: called by the save's threads ----------------------------------
+
+    def begin(self, name: str | None, size: int) -> None:
+        self._file, self._size = name, (size if name is not None else -1)
+        try:
+            heads = [_head(self._size, name or "") for _ in self._tier.send_to]
+        except CheckpointError as e:  # announced as no file: the save fails at the commit of the copies
+            self._errors.append(e)
+            self._size = -1
+            heads = [_head(-1, "") for _ in self._tier.send_to]
+        for dst, head in zip(self._tier.send_to, heads):
+            self._sending.add(dst, 0, head)
+        if self._tier.recv_from:
+            self._receiver = threading.Thread(target=self._receive, name="shardsafe-memtier-receive", daemon=True)
+            self._receiver.start()
+
+    def written(self, upto: int) -> None:
+        with self._lock:
+            count = _block_count(self._size)
+            while self._next < count and min((self._next + 1) * _BLOCK, self._size) <= upto:
+                a = self._next * _BLOCK
+                self._send(self._next, a, min(a + _BLOCK, self._size))
+                self._next += 1
+
+    def end(self, ok: bool) -> None:
+        with self._lock:
+            count = _block_count(self._size)
+            if ok and self._next < count:
+                self._errors.append(CheckpointError(f"{self._path}/{self._file}: written whole, but only {self._next} of its {count} blocks were sent"))
+            while self._next < count:  # the receivers wait for every block announced
+                a = self._next * _BLOCK
+                self._send_zeros(self._next, min(a + _BLOCK, self._size) - a)
+                self._next += 1
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def failed(self) -> None:
+        """The save failed: wait for the transfers to end, then remove every received copy."""
+        try:
+            self._wait()
+        except BaseException as e:  # noqa: BLE001 - the save's own error is the one raised
+            log.debug("memory tier: %s: the copies of a failed save ended with %s", self._path, e)
+        self._abandon()
+
+    # --- after tier 0 committed ----------------------------------------------------------------
+
+    def commit(self, expected: list[Transfer]) -> int:
+        """Wait until every copy is sent and received; check that this rank received exactly
+        ``expected`` (the step's files); rename the copies to their names. The bytes received.
+        On any failure every copy not yet renamed is removed, and the error raised."""
+        try:
+            self._wait()
+            got = {src: f for src, f in self._announced.items() if f[1] >= 0}
+            want = {t.src: (t.file, t.size) for t in expected}
+            if got != want:
+                raise CheckpointError(
+                    f"memory tier: rank {self._tier.rank} received copies {_copies_text(got)}, but the step's files are "
+                    f"{_copies_text(want)}"
+                )
+            n = 0
+            for src in sorted(self._receiving):
+                r = self._receiving[src]
+                n += r.mm.size() if r.mm is not None else 0
+                r.finish()
+                del self._receiving[src]  # committed: no longer this save's to remove
+            return n
+        except BaseException:
+            self._abandon()
+            raise
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _send(self, index: int, a: int, b: int) -> None:
+        try:
+            if self._fd is None:
+                self._fd = os.open(os.path.join(self._path, self._file or ""), os.O_RDWR)  # shared mapping: no copy of the pages
+            mm = mmap.mmap(self._fd, b - a, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=a)
+        except OSError as e:
+            self._errors.append(CheckpointError(f"{self._path}/{self._file}: cannot map bytes {a}-{b} to send them: {e}"))
+            self._send_zeros(index, b - a)
+            return
+        self._maps.append(mm)
+        block = torch.frombuffer(mm, dtype=torch.uint8)
+        for dst in self._tier.send_to:
+            self._sending.add(dst, 1 + index, block[:])
+        del block
+
+    def _send_zeros(self, index: int, n: int) -> None:
+        if self._zeros is None:
+            self._zeros = torch.zeros(_BLOCK, dtype=torch.uint8)
+        for dst in self._tier.send_to:
+            self._sending.add(dst, 1 + index, self._zeros[:n])
+
+    def _receive(self) -> None:
+        """(Thread.) The senders' announcements, then every block of each, into a ``.part`` file
+        (or, when that cannot be made, into scratch memory: a sender waits for its receives)."""
+        try:
+            heads = [(src, 0, torch.empty(_HEAD, dtype=torch.uint8)) for src in self._tier.recv_from]
+            self._comm.exchange([], heads)
+            recvs: list[tuple[int, int, torch.Tensor]] = []
+            scratch: torch.Tensor | None = None
+            for src, _, head in heads:
+                size, name = _unhead(head)
+                self._announced[src] = (name, size)
+                if size < 0:
+                    continue
+                target: torch.Tensor | None = None
+                try:
+                    if os.path.basename(name) != name or not _is_data(name):
+                        raise CheckpointError(f"memory tier: rank {src} announced a copy named {name!r}, not a data file name")
+                    os.makedirs(self._path, exist_ok=True)
+                    r = _Receiving(os.path.join(self._path, name), size, self._tier.claim_spare)
+                    with self._lock:
+                        self._receiving[src] = r
+                    target = r.tensor
+                except (OSError, CheckpointError) as e:
+                    self._errors.append(e)
+                for i, (a, b) in enumerate(_blocks(size)):
+                    if target is None:
+                        scratch = scratch if scratch is not None else torch.empty(_BLOCK, dtype=torch.uint8)
+                        recvs.append((src, 1 + i, scratch[: b - a]))
+                    else:
+                        recvs.append((src, 1 + i, target[a:b]))
+            self._comm.exchange([], recvs)
+        except BaseException as e:  # noqa: BLE001 - raised by commit or failed, in the save's thread
+            self._errors.append(e)
+
+    def _wait(self) -> None:
+        if not self._done:
+            self._done = True
+            try:
+                self._sending.wait()
+            except BaseException as e:  # noqa: BLE001 - raised below, after the receiver ended
+                self._errors.append(e)
+            if self._receiver is not None:
+                self._receiver.join()
+            for mm in self._maps:
+                with contextlib.suppress(BufferError):
+                    mm.close()
+            self._maps.clear()
+        if self._errors:
+            raise self._errors[0]
+
+    def _abandon(self) -> None:
+        with self._lock:
+            receiving, self._receiving = self._receiving, {}
+        for r in receiving.values():
+            r.abandon()
+
+
+def _block_count(size: int) -> int:
+    return -(-size // _BLOCK) if size > 0 else 0
+
+
+def _blocks(size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + _BLOCK, size)) for a in range(0, max(size, 0), _BLOCK)]
+
+
+def _head(size: int, name: str) -> torch.Tensor:
+    raw = size.to_bytes(8, "little", signed=True) + name.encode()
+    if len(raw) > _HEAD:
+        raise CheckpointError(f"memory tier: the data file name {name!r} is too long to announce ({len(raw) - 8} bytes, at most {_HEAD - 8})")
+    t = torch.zeros(_HEAD, dtype=torch.uint8)
+    t[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return t
+
+
+def _unhead(t: torch.Tensor) -> tuple[int, str]:
+    raw = t.numpy().tobytes()
+    return int.from_bytes(raw[:8], "little", signed=True), raw[8:].rstrip(b"\0").decode(errors="replace")
+
+
+def _copies_text(copies: dict[int, tuple[str, int]]) -> str:
+    return ", ".join(f"{name} ({size} bytes) from rank {src}" for src, (name, size) in sorted(copies.items())) or "none"
 
 
 def _files_needed(meta: StorageMetadata, targets: list[LocalTensor], named: dict[str, int]) -> set[str]:
@@ -618,6 +820,18 @@ def _persist(side: Comm, path: str, mine: list[str], raw: bytes, durable: Storag
 
     side.check(copy)
     side.broadcast(lambda: durable.put_atomic(METADATA_FILENAME, raw, overwrite=False))
+
+
+def _rank_files(raw: bytes, where: str, world: int) -> list[tuple[str, int] | None]:
+    """Each rank's data file of a step and its size, from the step's ``metadata.json`` (None for
+    a rank that wrote none)."""
+    out: list[tuple[str, int] | None] = [None] * world
+    for name, size in _named_sizes(raw, where).items():
+        rank = data_file_rank(name)
+        if rank is None or not 0 <= rank < world or size < 0:
+            raise CheckpointError(f"{where}: data file {name} ({size} bytes) is not a file of one of this save's {world} ranks")
+        out[rank] = (name, size)
+    return out
 
 
 def _named_sizes(raw: bytes, where: str) -> dict[str, int]:

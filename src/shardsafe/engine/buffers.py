@@ -55,10 +55,13 @@ class WriteBehind:
     ``depth + 2`` buffers never overwrites one still in use. Blocks are views on tensor memory
     (or on a host copy, which they keep alive). The first write error is raised by the next
     :meth:`write` or :meth:`flush`, or on exit; after an error the thread only drains the queue.
+    ``written(n)``, if given, is called in that thread after each block: ``n`` bytes written so far.
     """
 
-    def __init__(self, out, depth: int = 4) -> None:
+    def __init__(self, out, depth: int = 4, written=None) -> None:
         self._out = out
+        self._written = written  # called with the bytes written so far, after each block
+        self._pos = 0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shardsafe-write", daemon=True)
@@ -76,8 +79,11 @@ class WriteBehind:
                 data, done = item
                 if self._error is None:
                     self._out.write(data)
+                    self._pos += data.nbytes
                     if done is not None:
                         done()
+                    if self._written is not None:
+                        self._written(self._pos)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e
             finally:

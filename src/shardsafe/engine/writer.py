@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from .._gc import paused_gc
 from .._progress import Progress
@@ -58,7 +58,7 @@ from .commit import CommitUnknownError, committed_version, put_metadata, sweep
 from .file_index import bind_files
 from .staging import RINGS, RingAborted, StagingRing, Unit, UnitQueue, aligned, live_units, stage, stage_pieces
 
-__all__ = ["async_save_state", "save_state"]
+__all__ = ["FileTee", "abandon_save", "async_save_state", "save_state"]
 
 log = logging.getLogger(__name__)
 _DESCRIBED = DescribeCache()  # async saves' caller waits for describing: the same tensors are not described again
@@ -118,12 +118,16 @@ def _finish_from_device(
 def async_save_state(
     storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
     result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None = None, want_meta: bool = True,
-    progress: Progress | None = None,
+    progress: Progress | None = None, first: Callable[[], None] | None = None, agree: Agreement | None = None,
+    tee: FileTee | None = None,
 ) -> AsyncSave[Any]:
     """Stage this rank's state into a reused buffer and return; the planning, the write and the
     commit go on in the background (see :mod:`.background`). The save's outcome is what
     :func:`save_state` returns, passed through ``result`` if given. ``progress`` is called by
-    the background thread that writes (see :func:`_write_file`).
+    the background thread that writes (see :func:`_write_file`). ``first`` and ``agree``: what
+    the caller would otherwise check with a collective of its own before saving, done inside
+    the save's first gather instead (see :func:`_prepare`). ``tee`` follows this rank's data
+    file as it is written (see :class:`FileTee`).
 
     ``comm`` has not checked in yet (see :func:`~shardsafe.dist.get_comm`): when the rank's
     tensors fit ``knobs.async_staging_bytes``, the caller is blocked only for describing them and
@@ -146,15 +150,13 @@ def async_save_state(
         if total <= knobs.async_staging_bytes:
             encoded = encode_objects(objects, allow_pickle=allow_pickle)  # a snapshot of the values, too
     except Exception as e:
-        # the other ranks check in on the background group: tell them this rank will not, so
-        # that they fail now rather than after the timeout (after this rank's saves in flight
-        # have checked in there: its check-ins keep their order)
-        reason = f"{type(e).__name__}: {e}"
-        after_in_flight(lambda: side.abandon(reason), name="shardsafe-save-gave-up")
+        abandon_save(comm, knobs, e)
         raise
     if total > knobs.async_staging_bytes:
         comm.arrive(knobs.collective_timeout_s)
-        return _async_save_in_parts(storage, state_dict, save_overwrite, allow_pickle, comm, side, knobs, result, want_meta, progress)
+        return _async_save_in_parts(
+            storage, state_dict, save_overwrite, allow_pickle, comm, side, knobs, result, want_meta, progress, first, agree, tee
+        )
     ring = RINGS.acquire(total, pinned=pinned)
     staged: list[Any] = []
 
@@ -179,8 +181,13 @@ def async_save_state(
     def consume() -> Any:
         try:
             side.arrive(knobs.collective_timeout_s)
-            p = _prepare(storage, {}, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=side, knobs=knobs, described=described)
-            out = _finish(p, side, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)), want_meta=want_meta, progress=progress)
+            p = _prepare(
+                storage, {}, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=side, knobs=knobs, described=described,
+                first=first, agree=agree,
+            )
+            out = _finish(
+                p, side, live_units(p.mine.items, p.local, _unit_bytes(knobs, None)), want_meta=want_meta, progress=progress, tee=tee
+            )
         finally:
             ready.wait()  # the staging copies are done (or failed): the buffer may be reused
             RINGS.release(ring)
@@ -190,14 +197,27 @@ def async_save_state(
     return run_in_background(storage.url, produce, consume, name="shardsafe-save")
 
 
+def abandon_save(comm: Comm, knobs: Knobs, e: BaseException) -> None:
+    """This rank gives up an async save before its background part started (``e``: why): the
+    other ranks check in on the background group, so tell them this rank will not, and they fail
+    now rather than after the timeout (once this rank's saves in flight have checked in there:
+    its check-ins keep their order)."""
+    side = background_comm(comm, timeout_s=knobs.collective_timeout_s)
+    reason = f"{type(e).__name__}: {e}"
+    after_in_flight(lambda: side.abandon(reason), name="shardsafe-save-gave-up")
+
+
 def _async_save_in_parts(
     storage: Storage, state_dict: dict[str, Any], save_overwrite: bool, allow_pickle: bool, comm: Comm, side: Comm,
     knobs: Knobs, result: Callable[[tuple[StorageMetadata, list[str]]], Any] | None, want_meta: bool, progress: Progress | None,
+    first: Callable[[], None] | None = None, agree: Agreement | None = None, tee: FileTee | None = None,
 ) -> AsyncSave[Any]:
     """An async save of a rank whose state exceeds the staging budget: plan first (in the caller's
     thread, with ``comm``), then stage only this rank's share through the buffer as the writer
     frees it."""
-    p = _prepare(storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs)
+    p = _prepare(
+        storage, state_dict, save_overwrite=save_overwrite, allow_pickle=allow_pickle, comm=comm, knobs=knobs, first=first, agree=agree
+    )
     pinned = any(p.local[it.key].views[it.piece_index].device.type == "cuda" for it in p.mine.items)
     ring, total = _bounded_ring(p, knobs.async_staging_bytes, pinned=pinned)
     units = UnitQueue()
@@ -215,7 +235,7 @@ def _async_save_in_parts(
             ring.abort()  # a producer still waiting for room stops: the save failed
             RINGS.release(ring)
 
-        out = _finish(p, side, units, after_write=done_writing, want_meta=want_meta, progress=progress)
+        out = _finish(p, side, units, after_write=done_writing, want_meta=want_meta, progress=progress, tee=tee)
         return result(out) if result is not None else out
 
     return run_in_background(storage.url, produce, consume, name=f"shardsafe-save-{p.save_id}")
@@ -282,11 +302,14 @@ def _unit_bytes(knobs: Knobs, capacity: int | None) -> int:
 def _prepare(
     storage: Storage, state_dict: dict[str, Any], *, save_overwrite: bool, allow_pickle: bool, comm: Comm, knobs: Knobs,
     described: Callable[[], tuple[list[LocalTensor], tuple[dict[str, Any], dict[str, str]]]] | None = None,
-    first: Callable[[], None] | None = None,
+    first: Callable[[], None] | None = None, agree: Agreement | None = None,
 ) -> _Prepared:
     """Describe (or take ``described()``: the tensors and the encoded values), gather, plan and
     scatter: every rank gets its share of the plan. ``first`` runs before describing, inside
-    the first gather: its error, like a describing error, is raised on every rank."""
+    the first gather: its error, like a describing error, is raised on every rank, and no rank
+    writes before every rank's ``first`` has run. ``agree``: this rank's value, travelling in
+    that gather, and a check the coordinator runs over every rank's (in rank order) before
+    planning; its error is raised on every rank."""
     local: dict[str, LocalTensor] = {}
     key = (tuple(comm.global_ranks), knobs.replica_split_bytes, knobs.checksum_block_bytes)
     cached = plan_cache.lookup(key)
@@ -306,7 +329,9 @@ def _prepare(
             mine_desc.update(desc=compact, digest=compact.digest, objects=encoded)
         same = not full and cached.digest == mine_desc["digest"]  # the coordinator has it from last time
         desc = None if same else mine_desc["desc"]
-        return _RankDescription(desc, mine_desc["digest"], cached.rank_plan_id, mine_desc["objects"], storage.url)
+        return _RankDescription(
+            desc, mine_desc["digest"], cached.rank_plan_id, mine_desc["objects"], storage.url, agree[0] if agree is not None else None
+        )
 
     state = _CoordinatorState(started=time.monotonic())
 
@@ -316,6 +341,8 @@ def _prepare(
         coordinator lost one it needs)."""
         comm.raise_failures(gathered)
         _check_same_location(gathered, comm)
+        if agree is not None:
+            agree[1]([g.agree for g in gathered])
         digests = tuple(g.digest for g in gathered)
         hit = (
             cached.plan is not None
@@ -373,9 +400,23 @@ def _prepare(
     return _Prepared(storage, save_overwrite, mine, local, save_id, state, knobs, error)
 
 
+class FileTee(Protocol):
+    """Follows this rank's data file while a save writes it (the memory tier sends it to other
+    nodes meanwhile). Called by the save's background threads, in this order: ``begin`` on every
+    rank once the save is planned (the file's name and size; None: this rank writes none),
+    ``written(n)`` each time the file's first ``n`` bytes are written (from the writing thread),
+    ``end(ok)`` once the write finished (``ok``) or failed; and ``failed()`` if the save then
+    fails on any rank (the save's outcome otherwise goes to its ``result``)."""
+
+    def begin(self, name: str | None, size: int) -> None: ...
+    def written(self, upto: int) -> None: ...
+    def end(self, ok: bool) -> None: ...
+    def failed(self) -> None: ...
+
+
 def _finish(
     p: _Prepared, comm: Comm, units: Iterable[Unit], *, after_write: Callable[[], None] | None = None, want_meta: bool = True,
-    progress: Progress | None = None,
+    progress: Progress | None = None, tee: FileTee | None = None,
 ) -> tuple[StorageMetadata | None, list[str]]:
     """Write this rank's file from ``units``, then commit (the coordinator) with ``comm``'s ranks.
 
@@ -383,14 +424,34 @@ def _finish(
     get None for the metadata, and the coordinator broadcasts only that the save committed (at
     thousands of ranks the metadata is tens of megabytes to send and seconds to parse).
     """
+    if tee is None:
+        return _write_and_commit(p, comm, units, after_write, want_meta, progress, None)
+    try:
+        return _write_and_commit(p, comm, units, after_write, want_meta, progress, tee)
+    except BaseException:
+        tee.failed()
+        raise
+
+
+def _write_and_commit(
+    p: _Prepared, comm: Comm, units: Iterable[Unit], after_write: Callable[[], None] | None, want_meta: bool,
+    progress: Progress | None, tee: FileTee | None,
+) -> tuple[StorageMetadata | None, list[str]]:
     storage, save_overwrite, mine, save_id, state, knobs = p.storage, p.save_overwrite, p.mine, p.save_id, p.state, p.knobs
 
     def write() -> tuple[int, int, str, str] | None:
+        ok = False
         try:
+            if tee is not None:
+                tee.begin(mine.file if p.error is None else None, mine.size)
             if p.error is not None:
                 raise p.error
-            return _file_row(mine, _write_file(storage, mine, units, knobs, progress))
+            row = _file_row(mine, _write_file(storage, mine, units, knobs, progress, tee.written if tee is not None else None))
+            ok = True
+            return row
         finally:
+            if tee is not None:
+                tee.end(ok)
             if after_write is not None:
                 after_write()
 
@@ -460,6 +521,11 @@ class _RankDescription(NamedTuple):
     plan_id: str | None  # the plan this rank's cached part is from
     objects: tuple[dict[str, Any], dict[str, str]]  # encoded non-tensor values
     url: str
+    agree: Any = None  # the caller's value to check against the other ranks' (see _prepare)
+
+
+Agreement = tuple[Any, Callable[[list[Any]], None]]
+"""This rank's value and the check the save's coordinator runs over every rank's (see :func:`_prepare`)."""
 
 
 def _check_same_location(gathered: list[_RankDescription], comm: Comm) -> None:
@@ -502,7 +568,10 @@ def _check_tensor_or_value(descs: list[RankDescription], gathered: list[_RankDes
         )
 
 
-def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], knobs: Knobs, progress: Progress | None = None) -> str:
+def _write_file(
+    storage: Storage, plan: RankWritePlan, units: Iterable[Unit], knobs: Knobs, progress: Progress | None = None,
+    written: Callable[[int], None] | None = None,
+) -> str:
     """Write this rank's data file from ``units`` (each item's bytes, in order), then the
     checksum entry (every block's digest, item after item); returns the digest of that entry
     (empty when the rank writes no file).
@@ -510,7 +579,8 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
     Each unit is checksummed, then handed to a write-behind thread, so the checksums of one unit
     (and the copy or device-to-host transfer of the next) overlap the write of the one before.
     ``progress(done, total)`` (in this thread): the bytes of the items handed to the writer so
-    far out of all of them; ``(total, total)`` only once the file is complete.
+    far out of all of them; ``(total, total)`` only once the file is complete. ``written(n)``
+    (in the write-behind thread): the file's first ``n`` bytes are written.
     """
     total = sum(it.byte_range[1] - it.byte_range[0] for it in plan.items) if progress is not None else 0
     if progress is not None:
@@ -522,7 +592,7 @@ def _write_file(storage: Storage, plan: RankWritePlan, units: Iterable[Unit], kn
     done = 0
     cblock = knobs.checksum_block_bytes
     digests: list[list[int]] = [[] for _ in plan.items]
-    with storage.write_file(plan.file) as out, WriteBehind(out) as behind:
+    with storage.write_file(plan.file) as out, WriteBehind(out, written=written) as behind:
         behind.write(memoryview(plan.header))
         for u in units:
             if u.ready is not None:

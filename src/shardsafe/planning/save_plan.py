@@ -25,6 +25,7 @@ instead of four million pieces (``benchmarks/bench_planner.py``).
 from __future__ import annotations
 
 import heapq
+import re
 from dataclasses import dataclass
 from math import prod
 from typing import NamedTuple
@@ -41,7 +42,7 @@ from ..format.safetensors_file import FileEntry, layout_file
 
 __all__ = [
     "GlobalPlan", "RankAssignment", "RankDescription", "RankWritePlan", "SavePlan", "TensorDesc", "TensorPlan",
-    "WriteItem", "data_file_name", "describe_rank", "file_layout", "plan_global", "plan_rank", "plan_save",
+    "WriteItem", "data_file_name", "data_file_rank", "describe_rank", "file_layout", "plan_global", "plan_rank", "plan_save",
 ]
 
 
@@ -153,6 +154,16 @@ DIGEST_BYTES = 8  # XXH3-64, the only algorithm a v3 file's checksum entry holds
 
 def data_file_name(rank: int, save_id: str) -> str:
     return f"shard-r{rank:05d}-{save_id}.safetensors"
+
+
+_DATA_FILE = re.compile(r"shard-r(\d{5,})-[0-9a-f]+\.safetensors")
+
+
+def data_file_rank(name: str) -> int | None:
+    """The rank that wrote the data file ``name`` (a :func:`data_file_name`), or None for a name
+    of another form."""
+    m = _DATA_FILE.fullmatch(name)
+    return int(m.group(1)) if m is not None else None
 
 
 class _Joint:
