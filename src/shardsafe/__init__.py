@@ -7,8 +7,7 @@ Flat state dicts: Checkpointer (save, async_save, load, unshard, get_metadata); 
 Training loops: CheckpointManager; RNGState; ShardedTensor (Megatron-style boxes)
 Hugging Face: unshard_to_safetensors (one file or a sharded folder), load_hf_safetensors
 Checks: verify -> VerifyReport
-Tensor subclasses (torchao's NF4, low-bit optimizer states, float8 weights): allowed_tensor_subclasses,
-register_tensor_subclass
+Tensor subclasses (torchao's NF4, low-bit optimizer states...): register_tensor_subclass, allowed_tensor_subclasses
 
 Errors: every error bad input, damage or a failed peer can cause is a CheckpointError, importable
 from here (documented one by one in shardsafe.errors):

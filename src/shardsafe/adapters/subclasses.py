@@ -94,11 +94,10 @@ def class_path(cls: type) -> str:
 def register_tensor_subclass(
     cls: type | str, *, shared: tuple[str, ...] = (), wraps: str | None = None, dequantize: str | None = "dequantize"
 ) -> None:
-    """Put a traceable wrapper subclass on the allow-list (by class or import path).
-
-    ``shared``: inner tensors that are the same on every shard; ``wraps``: for a subclass that
-    only changes how its tensor is all-gathered, the attribute holding the tensor to store
-    instead; ``dequantize``: the method returning the high-precision tensor (None: none)."""
+    """Put a traceable wrapper subclass on the allow-list (by class or import path). ``shared``:
+    inner tensors equal on every shard; ``wraps``: for a subclass that only changes how its tensor
+    is all-gathered, the attribute holding the tensor to store instead; ``dequantize``: the
+    method returning the high-precision tensor (None: none)."""
     path = cls if isinstance(cls, str) else class_path(cls)
     if not isinstance(cls, str) and not (hasattr(cls, "__tensor_flatten__") and hasattr(cls, "__tensor_unflatten__")):
         raise CheckpointError(
