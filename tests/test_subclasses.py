@@ -404,9 +404,13 @@ def _unknown_in_dtensor(rank, world):
 
     mesh = init_device_mesh("cpu", (world,))
     local = torch.zeros(4).as_subclass(Unknown)
-    d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    return _save_error({"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False)})
+
+
+def _save_error(state: dict) -> str | None:
+    """The ShardingError a save of ``state`` raises (None: it saved); nothing is written."""
     try:
-        shardsafe.Checkpointer().save("/nonexistent-never-written", {"w": d})
+        shardsafe.Checkpointer().save("/nonexistent-never-written", state)
     except ShardingError as e:
         return str(e)
     return None
@@ -742,11 +746,7 @@ def _strided_subclass(rank, world):
     local = OptimState8bit.zeros((128, 256))  # rows 64r..64r+63 and 128+64r..: two pieces of a [256, 256] tensor
     d = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=2)], run_check=False,
                            shape=torch.Size((256, 256)), stride=(256, 1))
-    try:
-        shardsafe.Checkpointer().save("/nonexistent-never-written", {"s": d})
-    except ShardingError as e:
-        return str(e)
-    return None
+    return _save_error({"s": d})
 
 
 def test_a_subclass_local_tensor_of_several_pieces_is_refused():

@@ -25,7 +25,7 @@ from ..format.dtypes import dtype_name
 from ..format.geometry import Piece, chunk_bounds
 from .flat_sharded import flat_sharding
 from .sharded_tensor import ShardedTensor, view_as
-from .subclasses import Described, describe_subclass, refuse_unknown, rule_for, unwrap
+from .subclasses import Described, as_plain, describe_subclass, refuse_unknown, rule_for, unwrap
 
 DTensor: Any = None  # set by _dtensor() once torch.distributed.tensor is imported
 Replicate: Any = None
@@ -202,18 +202,15 @@ def _add_pieces(into: LocalTensor, more: LocalTensor, first: str, name: str) -> 
 
 def _describe(name: str, value: Any, targets: bool) -> LocalTensor | Described | None:
     if isinstance(value, ShardedTensor):
-        data = value.data
-        if type(data) not in (torch.Tensor, torch.nn.Parameter):
-            wrapped = unwrap(value.key, data) if rule_for(type(data)) is not None else None
-            if wrapped is None and rule_for(type(data)) is None:
-                raise refuse_unknown(value.key, type(data), " (the data of a ShardedTensor)")
-            if wrapped is None:
-                raise ShardingError(
-                    f"key {value.key!r}: the data of this ShardedTensor is a {type(data).__module__}."
-                    f"{type(data).__qualname__}; shardsafe stores its blocks for a DTensor or a plain tensor holding it, "
-                    "not for a ShardedTensor's box or flattened range"
-                )
-            data = wrapped
+        data = as_plain(value.key, value.data)
+        if data is None:
+            cls = type(value.data)
+            if rule_for(cls) is None:
+                raise refuse_unknown(value.key, cls, " (the data of a ShardedTensor)")
+            raise ShardingError(
+                f"key {value.key!r}: the data of this ShardedTensor is a {cls.__module__}.{cls.__qualname__}; shardsafe "
+                "stores its blocks for a DTensor or a plain tensor holding it, not for a ShardedTensor's box or flattened range"
+            )
         _check_tensor(value.key, data)
         data = data.detach()
         flat = None
@@ -260,14 +257,14 @@ def _check_tensor(key: str, t: torch.Tensor) -> None:
 
 
 def _describe_dtensor(key: str, value: DTensor) -> LocalTensor | Described:
-    local = value._local_tensor  # not to_local(): no autograd node per tensor per save
-    if type(local) is not torch.Tensor:
-        if rule_for(type(local)) is None:
-            raise refuse_unknown(key, type(local), " (the local tensor of a DTensor)")
-        wrapped = unwrap(key, local)
-        if wrapped is None:
-            return _describe_dtensor_subclass(key, value, local)
-        local = wrapped  # a float8 all-gather weight: its high-precision tensor, sharded as the DTensor is
+    # not to_local(): no autograd node per tensor per save; a float8 all-gather weight's
+    # high-precision tensor, sharded as the DTensor is
+    local = as_plain(key, value._local_tensor)
+    if local is None:  # a subclass whose bytes are not the tensor's: described by its blocks, or refused
+        cls = type(value._local_tensor)
+        if rule_for(cls) is None:
+            raise refuse_unknown(key, cls, " (the local tensor of a DTensor)")
+        return _describe_dtensor_subclass(key, value, value._local_tensor)
     local = local.detach()
     _check_tensor(key, local)
     shape = tuple(value.shape)

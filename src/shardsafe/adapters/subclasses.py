@@ -43,7 +43,7 @@ from ..format.dtypes import SAFETENSORS_CODE, dtype_name, torch_dtype
 from ..format.values import TAG, decode_value, encode_value
 
 __all__ = [
-    "INNER_SEP", "RECORD_TAG", "SubclassRule", "allowed_tensor_subclasses", "class_path", "is_record",
+    "INNER_SEP", "RECORD_TAG", "SubclassRule", "allowed_tensor_subclasses", "as_plain", "class_path", "is_record",
     "register_tensor_subclass", "rule_for",
 ]
 
@@ -304,6 +304,12 @@ def unwrap(key: str, value: torch.Tensor) -> torch.Tensor | None:
     if not isinstance(inner, torch.Tensor):
         raise ShardingError(f"key {key!r}: {class_path(type(value))} holds no tensor in {rule.wraps!r}")
     return inner
+
+
+def as_plain(key: str, t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` itself if it is a plain tensor (or a Parameter), the tensor it wraps if it is a float8
+    all-gather weight, else None: a subclass whose bytes are not the tensor's."""
+    return t if type(t) in (torch.Tensor, torch.nn.Parameter) else unwrap(key, t)
 
 
 def describe_subclass(

@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from .._args import check_bool
 from ..adapters import LocalTensor
-from ..adapters.subclasses import class_path, rule_for, unwrap
+from ..adapters.subclasses import as_plain, class_path
 from ..engine.background import wait_for_location
 from ..engine.file_index import bind_files
 from ..engine.foreign import missing_metadata_error
@@ -251,16 +251,14 @@ def _plain_target(key: str, dest: torch.Tensor) -> torch.Tensor:
     """``dest`` itself, the tensor a float8 all-gather weight wraps, or ``ShardingError`` for
     another tensor subclass: writing into it through DCP's planner would quantize the loaded
     values again (or fail inside the class)."""
-    if type(dest) in (torch.Tensor, torch.nn.Parameter):
-        return dest
-    wrapped = unwrap(key, dest) if rule_for(type(dest)) is not None else None
-    if wrapped is None:
+    plain = as_plain(key, dest)
+    if plain is None:
         raise ShardingError(
             f"key {key!r}: the target is a {class_path(type(dest))}, a tensor subclass; DCP's planner sees one tensor, "
             "not the inner tensors it holds, so shardsafe.dcp will not write into it (that would quantize the values "
             "again). Load with shardsafe.Checkpointer or shardsafe.load_model_and_optim_state (README, Tensor subclasses)"
         )
-    return wrapped
+    return plain
 
 
 def _chunk_order(ckpt: distcp.DcpCheckpoint, chunk: tuple[str, tuple[int, ...]]) -> tuple[str, int]:

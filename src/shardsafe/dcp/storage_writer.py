@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._args import check_bool
-from ..adapters.subclasses import class_path, rule_for, unwrap
+from ..adapters.subclasses import as_plain, class_path
 from ..engine.buffers import WriteBehind, byte_view
 from ..engine.commit import CommitUnknownError, committed_version, put_metadata, sweep
 from ..errors import (
@@ -351,16 +351,15 @@ def _resolved_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
     data = planner.resolve_data(item)
     if not isinstance(data, torch.Tensor):
         raise CheckpointError(f"key {key!r}: the save planner resolved a {type(data).__name__} for a tensor chunk")
-    if type(data) not in (torch.Tensor, torch.nn.Parameter):
-        wrapped = unwrap(key, data) if rule_for(type(data)) is not None else None
-        if wrapped is None:  # its inner tensors are not in DCP's plan: its bytes are not the tensor's
-            raise ShardingError(
-                f"key {key!r}: a {class_path(type(data))} is a tensor subclass; DCP's planner sees it as one tensor, not "
-                "the inner tensors it holds, so shardsafe.dcp cannot store it. Save it with shardsafe.Checkpointer or "
-                "shardsafe.save_model_and_optim_state, which store allow-listed subclasses by their inner tensors "
-                "(README, Tensor subclasses)"
-            )
-        data = wrapped  # a float8 all-gather weight: the high-precision tensor it stands for
+    plain = as_plain(key, data)  # a float8 all-gather weight: the high-precision tensor it stands for
+    if plain is None:  # its inner tensors are not in DCP's plan: its bytes are not the tensor's
+        raise ShardingError(
+            f"key {key!r}: a {class_path(type(data))} is a tensor subclass; DCP's planner sees it as one tensor, not "
+            "the inner tensors it holds, so shardsafe.dcp cannot store it. Save it with shardsafe.Checkpointer or "
+            "shardsafe.save_model_and_optim_state, which store allow-listed subclasses by their inner tensors "
+            "(README, Tensor subclasses)"
+        )
+    data = plain
     td = item.tensor_data
     if data.dtype != td.properties.dtype:
         raise DtypeMismatchError(f"key {key!r}: the save planner resolved a {data.dtype} tensor, its plan says {td.properties.dtype}")

@@ -81,8 +81,8 @@ def export_tensors(
     file and the files. A tensor subclass is written as its high-precision tensor with
     ``dequantize``, and refused without it."""
     tensors, values, skipped = _select(meta, prefix, storage.url, dequantize)
-    check_files_hold(storage, [(k, tm) for k, tm in tensors.values() if not isinstance(tm, DequantizedEntry)]
-                     + [(ik, meta.tensors[ik]) for _, tm in tensors.values() if isinstance(tm, DequantizedEntry) for ik in tm.inner if ik in meta.tensors])
+    # before allocating from their sizes; a dequantized subclass is read from its inner tensors
+    check_files_hold(storage, [p for k, tm in tensors.values() for p in (tm.inner if isinstance(tm, DequantizedEntry) else [(k, tm)])])
     file_meta = {FORMAT_TAG[0]: FORMAT_TAG[1], **{k: json.dumps(v, separators=(",", ":")) for k, v in values.items()}}
     cast = {name: _cast_to(tm.torch_dtype, dtype) for name, (_, tm) in tensors.items()}
     entries = {name: _entry(name, tm, cast[name]) for name, (_, tm) in tensors.items()}
@@ -240,7 +240,7 @@ def _select(
                 f"{where}: key {key!r} is a {meta.objects[key].get('class')}; pass dequantize=True to export its "
                 "high-precision values (--dequantize on the command line)"
             )
-        tensors[name] = (key, DequantizedEntry(key, meta.objects[key], meta))
+        tensors[name] = (key, DequantizedEntry(meta.objects[key], meta))
     values = {name: meta.objects[key] for name, key in keys_under(meta.objects, prefix).items() if key not in records.values()}
     skipped = len(keys_under(meta.pickled_objects, prefix))
     if skipped:

@@ -75,17 +75,18 @@ def check_targets(meta: Any, tensors: list[LocalTensor], objects: list[str], whe
     stored as a value; ``meta`` needs ``tensors`` (and ``objects``, ``pickled_objects`` when
     ``objects`` is not empty). A target subclass's record agrees with the stored one."""
     records: set[str] = set()
+    stored_values = getattr(meta, "objects", {})
     for t in tensors:
         if t.subclass is not None and t.subclass[0] not in records:
             outer = t.subclass[0]
             records.add(outer)
-            stored_value = getattr(meta, "objects", {}).get(outer)
+            stored_value = stored_values.get(outer)
             if stored_value is None and outer not in meta.tensors:
                 raise MissingKeyError(f"{where}: key {outer!r} is not in the checkpoint ({len(meta.tensors)} tensors stored)")
             check_record(where, outer, stored_value, t.subclass[1])
         stored = meta.tensors.get(t.key)
         if stored is None:
-            if t.subclass is None and is_record(record := getattr(meta, "objects", {}).get(t.key)):
+            if t.subclass is None and is_record(record := stored_values.get(t.key)):
                 raise ShardingError(
                     f"{where}: key {t.key!r} is stored as a {record.get('class')} (its inner tensors under "
                     f"{t.key + INNER_SEP!r}...), the target is a plain tensor: load it into a {record.get('class')}, or "
@@ -122,6 +123,7 @@ def load_state(
     ``storage`` (a restore from peers' memory); it may run collectives of ``comm``'s ranks."""
     started = time.monotonic()
     nread = [0]
+    deq: list[LocalTensor] = []  # plain targets of quantized subclasses, with ``dequantize``
 
     def described() -> tuple[Targets, list[LocalTensor], dict[str, Any]]:
         targets = load_targets(
@@ -137,8 +139,6 @@ def load_state(
         check_targets(meta, tensors, list(objects), storage.url)
         values = decode_objects(meta.objects, meta.pickled_objects, list(objects), allow_pickle=allow_pickle, where=storage.url)
         return targets, tensors, values
-
-    deq: list[LocalTensor] = []
 
     first: list[Any] = []
     if fetch is not None:

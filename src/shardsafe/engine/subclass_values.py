@@ -63,13 +63,11 @@ def check_dequantized(where: str, key: str, record: dict[str, Any], shape: tuple
 
 
 class DequantizedEntry:
-    """A stored subclass as an export sees a tensor: its shape and high-precision dtype."""
+    """A stored subclass as an export sees a tensor: its shape and high-precision dtype, and the
+    stored inner tensors it is built from (key, metadata)."""
 
-    def __init__(self, key: str, record: dict[str, Any], meta: StorageMetadata) -> None:
-        self.key = key
-        self.record = record
+    def __init__(self, record: dict[str, Any], meta: StorageMetadata) -> None:
         self.meta = meta
-        self.inner = [doc["key"] for doc in record["inner"].values()]
+        self.inner = [(doc["key"], meta.tensors[doc["key"]]) for doc in record["inner"].values() if doc["key"] in meta.tensors]
         self.shape = tuple(record["shape"])
-        self.dtype = record["dtype"]
         self.torch_dtype = torch_dtype(record["dtype"])
