@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 # ---------------------------------------------------------------------------------------------
-# The independent reader: docs/format.md §2, §3, §4, §5, §6, §8, §9.
+# The independent reader: docs/format.md §2, §3, §4, §5, §6, §8, §9 (§14: subclass_parts, at the end).
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
              "complex64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4,
@@ -330,3 +330,43 @@ def read_checkpoint(path: str, *, allow_pickle: bool = False) -> dict:
             raise SpecError(f"{key}: stored with pickle, and pickle was not allowed")
         out[key] = pickle.loads(base64.b64decode(b64))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/format.md §14: a tensor subclass's record and its inner tensors.
+
+
+def subclass_parts(out: dict, key: str) -> dict:
+    """The inner tensors of the subclass stored under ``key`` (``out``: what ``read_checkpoint``
+    returned), each in the form its class holds it for the whole tensor: ``outer`` shaped as the
+    tensor, ``flat`` 1-D, a shared one as stored."""
+    rec = out.get(key)
+    if not isinstance(rec, dict) or rec.get("__shardsafe__") != "tensor_subclass":
+        raise SpecError(f"{key}: not a tensor subclass record")
+    shape = rec["shape"]
+    parts = {}
+    for name, doc in rec["inner"].items():
+        if doc["key"] != f"{key}#{name}":
+            raise SpecError(f"{key}: inner tensor {name} stored under {doc['key']!r}, not {key}#{name}")
+        t = out[doc["key"]]
+        if str(t.dtype).removeprefix("torch.") != doc["dtype"]:
+            raise SpecError(f"{key}#{name}: dtype {t.dtype}, the record says {doc['dtype']}")
+        if doc.get("shared"):
+            if list(t.shape) != doc["shape"]:
+                raise SpecError(f"{key}#{name}: shape {list(t.shape)}, the record says {doc['shape']}")
+            parts[name] = t
+            continue
+        block = doc["block"]
+        if len(block) != len(shape) or any(s % b for s, b in zip(shape, block)):
+            raise SpecError(f"{key}#{name}: blocks {block} do not tile {shape}")
+        if list(t.shape) != [s // b for s, b in zip(shape, block)]:
+            raise SpecError(f"{key}#{name}: shape {list(t.shape)} is not the grid of blocks {block} of {shape}")
+        if doc["form"] == "outer":
+            if any(b != 1 for b in block):
+                raise SpecError(f"{key}#{name}: form outer with blocks {block}")
+            parts[name] = t.reshape(shape)
+        elif doc["form"] == "flat":
+            parts[name] = t.reshape(-1)
+        else:
+            raise SpecError(f"{key}#{name}: unknown form {doc['form']!r}")
+    return parts

@@ -776,3 +776,25 @@ def test_low_bit_state_dequantized_into_plain_fsdp2_state_at_2_and_3_ranks(tmp_p
     ranks the cuts, rows 43 and 86, fall inside blocks of 4 rows: dequantized, they load)."""
     path = _lowbit_saved(tmp_path_factory, "8bit", 128, 64)
     assert run_ranks(load_world, _load_lowbit_dequantized, path, 128, 64) == [True] * load_world
+
+
+def test_the_independent_spec_reader_rebuilds_inner_tensors_from_section_14(tmp_path):
+    """docs/format.md §14 alone (tests/spec_reader.py) gives back each class's inner tensors."""
+    from torchao.optim.subclass_4bit import OptimState4bit
+
+    from .spec_reader import read_checkpoint, subclass_parts
+
+    torch.manual_seed(0)
+    values = {
+        "nf4": to_nf4(torch.randn(256, 256, dtype=torch.bfloat16), 64, 256),
+        "q8": _trained(AdamW8bit)[1].state_dict()["state"][0]["exp_avg"],
+        "q4": OptimState4bit.zeros((256, 256), signed=True),
+    }
+    shardsafe.Checkpointer().save(str(tmp_path / "c"), values)
+    out = read_checkpoint(str(tmp_path / "c"))
+    for key, value in values.items():
+        names, _ = value.__tensor_flatten__()
+        parts = subclass_parts(out, key)
+        assert sorted(parts) == sorted(names), key
+        for n in names:
+            assert_bits(parts[n], getattr(value, n), f"{key}#{n}")
