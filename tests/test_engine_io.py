@@ -162,3 +162,28 @@ def test_coalesced_strided_reads_keep_scratch_within_budget(tmp_path, monkeypatc
     Checkpointer(knobs=knobs).load(d, {"m": ShardedTensor.from_rank_offsets("m", part, (1, 1, 2))})
     assert torch.equal(part, full[:, 512:])
     assert sizes and max(sizes) <= 1 << 20
+
+
+def test_byte_view_is_the_tensors_own_bytes_and_keeps_it_alive():
+    """byte_view writes through to the tensor with no torch op (each op would give the GIL up
+    to the reading threads), keeps the tensor alive, and refuses what is not one run of bytes."""
+    import gc
+
+    from shardsafe.engine.buffers import byte_view
+
+    t = torch.arange(12, dtype=torch.float32).view(3, 4)
+    mv = byte_view(t[1:2])  # a contiguous slice: bytes 16..32 of the storage
+    assert (mv.nbytes, mv.format, mv.readonly) == (16, "B", False)
+    mv[:4] = torch.tensor([-1.0]).numpy().tobytes()
+    assert t[1, 0].item() == -1.0 and t[0, 3].item() == 3.0 and t[1, 1].item() == 5.0
+
+    odd = torch.zeros(2, 1, 3).as_strided((2, 1, 3), (3, 99, 1))  # a size-1 dim with any stride is still one run
+    assert byte_view(odd).nbytes == 24
+
+    held = byte_view(torch.full((1000,), 7, dtype=torch.int64))  # no other reference to the tensor
+    gc.collect()
+    assert bytes(held[:8]) == (7).to_bytes(8, "little")
+
+    assert byte_view(torch.empty(0)).nbytes == 0
+    with pytest.raises(ValueError, match=r"byte_view needs a contiguous CPU tensor, got one on cpu with strides \(1, 4\)"):
+        byte_view(t.t())

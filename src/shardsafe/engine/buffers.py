@@ -3,6 +3,7 @@ write-behind thread that overlaps writing with whatever the caller does next."""
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 
@@ -12,10 +13,20 @@ __all__ = ["Scratch", "WriteBehind", "byte_view", "can_read_into"]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous CPU tensor's bytes (no copy)."""
-    # as_strided: torch calls a tensor with size-1 dims contiguous whatever their strides
-    flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
-    return memoryview(flat.view(torch.uint8).numpy())
+    """A writable memoryview of a contiguous CPU tensor's bytes (no copy); it keeps ``t`` alive.
+
+    Made from the data pointer, with no torch op: every op gives up the GIL, and a thread that
+    gives it up while reading threads run waits for it back. Against two busy threads here
+    ``as_strided`` took 1.3 ms, ``detach`` 2.5 ms and ``numpy`` 1.0 ms; this takes 2.5 µs (the
+    accessors it calls keep the GIL)."""
+    if t.device.type != "cpu" or not t.is_contiguous():  # size-1 dims may have any stride: the bytes are still one run
+        raise ValueError(f"byte_view needs a contiguous CPU tensor, got one on {t.device} with strides {t.stride()}")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    raw = (ctypes.c_ubyte * nbytes).from_address(t.data_ptr())
+    raw._tensor = t  # type: ignore[attr-defined]  # the memoryview holds ``raw``, ``raw`` holds the tensor
+    return memoryview(raw).cast("B")
 
 
 def can_read_into(t: torch.Tensor) -> bool:

@@ -53,6 +53,7 @@ _HOT_BYTES = 1 << 20
 _INLINE_BYTES = 64 << 10
 _DONE: Future = Future()  # a finished future: the end of a target's reads in load_planned's queue, and a task run inline that succeeded
 _DONE.set_result(None)
+_MISSING = object()  # a cache miss in Reader._box_bytes
 
 
 _SHARED: dict[tuple[int, int], tuple[ThreadPoolExecutor | None, Scratch]] = {}
@@ -121,6 +122,8 @@ class Reader:
         self.pool, self.scratch = _shared(self.threads, self.budget)
         self.bytes_read = 0  # bytes fetched from storage, over-reads of blocks and coalesced gaps included
         self._count_lock = threading.Lock()
+        self._pieces: dict[tuple[int, int], tuple[memoryview, tuple[int, ...]] | None] = {}  # see _box_bytes
+        self._keep: list[LocalTensor] = []
 
     def __enter__(self) -> Reader:
         return self
@@ -201,6 +204,9 @@ class Reader:
                 f.cancel()
             wait(futures)
             raise
+        finally:
+            self._pieces.clear()
+            self._keep.clear()
 
     def _plan(self, meta: TensorStorageMetadata, target: LocalTensor, indices: list[int] | None = None) -> list[ReadItem]:
         items, covered = plan_reads(StoredIndex(meta, target.pieces, indices=indices), target.pieces)
@@ -277,7 +283,6 @@ class Reader:
     def _tasks(self, item: ReadItem, target: LocalTensor) -> list[Callable[[], None]]:
         """The reads that fill ``item``'s box, each checking the blocks it reads."""
         itemsize = target.dtype.itemsize
-        dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
         n_runs, run_elems, first, _ = _src_runs(item)
         strides = row_major_strides(item.src_shape)
         seg = item.src_start - item.chunk_start  # the source segment's offset in its chunk
@@ -290,20 +295,60 @@ class Reader:
         if hi <= lo:
             return []
         span_lo, span_hi = sums.aligned_span(lo, hi)
-        if n_runs == 1 and can_read_into(dst):
+        dst: torch.Tensor | None = None
+        into = self._box_bytes(item, target, hi - lo) if n_runs == 1 else None
+        if into is None:
+            dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
+            if n_runs == 1 and can_read_into(dst):  # a contiguous box of a piece view _box_bytes does not see through
+                into = byte_view(dst)
+        if into is not None:
             a, b = sums.aligned_inside(lo, hi)
             if a < b:
-                out = self._in_place(item, byte_view(dst), lo, a, b)
+                out = self._in_place(item, into, lo, a, b)
                 if lo < a:
-                    out.append(lambda: self._via_scratch(item, dst, span_lo, a, lo, a, dst_byte=0))
+                    out.append(lambda: self._via_scratch(item, None, span_lo, a, lo, a, into=into[: a - lo]))
                 if b < hi:
-                    out.append(lambda: self._via_scratch(item, dst, b, span_hi, b, hi, dst_byte=b - lo))
+                    out.append(lambda: self._via_scratch(item, None, b, span_hi, b, hi, into=into[b - lo :]))
                 return out
-        if span_hi - span_lo > self.budget and sums.block_bytes >= sums.nbytes and sums.algorithm == "crc32c":
-            return [lambda: self._run_unverified(item, itemsize, dst)]  # a part of a large v1 chunk
-        if n_runs > 1 and sums.algorithm == UNCHECKED:  # no digests: read only the runs (gaps under the knob coalesced)
-            return [lambda: self._run_unverified(item, itemsize, dst)]
+        if (span_hi - span_lo > self.budget and sums.block_bytes >= sums.nbytes and sums.algorithm == "crc32c") or (
+            n_runs > 1 and sums.algorithm == UNCHECKED
+        ):  # a part of a large v1 chunk, or runs that carry no digests (gaps under the knob coalesced)
+            box = dst if dst is not None else _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
+            return [lambda: self._run_unverified(item, itemsize, box)]
+        if into is not None:
+            return [lambda: self._via_scratch(item, None, span_lo, span_hi, lo, hi, into=into)]
         return [lambda: self._via_scratch(item, dst, span_lo, span_hi, lo, hi)]
+
+    def _box_bytes(self, item: ReadItem, target: LocalTensor, nbytes: int) -> memoryview | None:
+        """The ``nbytes`` bytes of target memory that receive ``item``'s box, if they are one
+        contiguous run of a CPU piece; else None. Computed from the piece's byte view (made once
+        per piece and load) with no torch call: a torch call on this thread gives up the GIL
+        and waits for it behind the reading threads, once per task."""
+        cache = self._pieces
+        got = cache.get((id(target), item.dst_piece), _MISSING)
+        if got is _MISSING:
+            view = target.views[item.dst_piece]
+            got = (byte_view(view), tuple(view.shape)) if can_read_into(view) and view.numel() else None
+            cache[(id(target), item.dst_piece)] = got
+            self._keep.append(target)  # the cache is keyed by id(): the target outlives it
+        if got is None:
+            return None
+        mv, piece_shape = got
+        flat = target.pieces[item.dst_piece][2] is not None
+        shape = item.dst_shape if flat else piece_shape
+        start = item.dst_flat if flat else 0
+        partial = False  # the box is one run when, after its leading 1s, only its first dim is partial
+        for d, (o, n, size) in enumerate(zip(item.dst_rel, item.lengths, shape)):
+            if partial and (o != 0 or n != size):
+                return None
+            if n != 1:
+                partial = True
+        stride = 1
+        for o, size in zip(reversed(item.dst_rel), reversed(shape)):
+            start += o * stride
+            stride *= size
+        begin = start * target.dtype.itemsize
+        return mv[begin : begin + nbytes]
 
     def _in_place(self, item: ReadItem, dst: memoryview, lo: int, a: int, b: int) -> list[Callable[[], None]]:
         """Tasks reading whole blocks ``[a, b)`` of the chunk into ``dst`` (which starts at ``lo``)."""
@@ -336,19 +381,20 @@ class Reader:
         self._count(view.nbytes)
 
     def _via_scratch(
-        self, item: ReadItem, dst: torch.Tensor, span_lo: int, span_hi: int, lo: int, hi: int, *, dst_byte: int | None = None
+        self, item: ReadItem, dst: torch.Tensor | None, span_lo: int, span_hi: int, lo: int, hi: int, *, into: memoryview | None = None
     ) -> None:
         """Read blocks ``[span_lo, span_hi)`` of the chunk into scratch, check them, and copy out
-        bytes ``[lo, hi)``: to ``dst``'s bytes from ``dst_byte`` on, or (``dst_byte`` None) as the
+        bytes ``[lo, hi)``: to ``into`` (target bytes), or (``into`` None) to ``dst`` as the
         item's box, which starts at ``lo``. Into CPU memory the box goes out row by row (along its
         first dimension) as soon as a step has checked a row's bytes: a second pass over a large
         scratch span would fetch it from memory again."""
         raw = self.scratch.get(span_hi - span_lo)
         buf = byte_view(raw)
-        if dst_byte is not None:
+        if into is not None:
             self._read_checked(item, span_lo, buf)
-            byte_view(dst)[dst_byte : dst_byte + hi - lo] = buf[lo - span_lo : hi - span_lo]
+            into[:] = buf[lo - span_lo : hi - span_lo]
             return
+        assert dst is not None
         strides = row_major_strides(item.src_shape)
         src = raw[lo - span_lo :].view(dst.dtype).as_strided(item.lengths, strides)
         if not item.lengths or dst.device.type != "cpu":  # one copy: a device copy per step costs more than it saves
