@@ -26,11 +26,11 @@ import xxhash
 # ---------------------------------------------------------------------------------------------
 # The independent reader: docs/format.md §2, §3, §4, §5, §6, §8, §9 (§14: subclass_parts, at the end).
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1,
              "complex64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4,
              "uint16": 2, "uint8": 1, "bool": 1}
 _CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
-         "float8_e5m2": "F8_E5M2", "complex64": "C64", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+         "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "complex64": "C64", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
          "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL"}
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.safetensors$")
 _SUMS = "__shardsafe_checksums__"  # §4.2: the last entry of every v3 data file
@@ -339,7 +339,7 @@ def read_checkpoint(path: str, *, allow_pickle: bool = False) -> dict:
 def subclass_parts(out: dict, key: str) -> dict:
     """The inner tensors of the subclass stored under ``key`` (``out``: what ``read_checkpoint``
     returned), each in the form its class holds it for the whole tensor: ``outer`` shaped as the
-    tensor, ``flat`` 1-D, a shared one as stored."""
+    tensor, ``flat`` 1-D, ``grid`` as the grid of blocks, a shared one as stored."""
     rec = out.get(key)
     if not isinstance(rec, dict) or rec.get("__shardsafe__") != "tensor_subclass":
         raise SpecError(f"{key}: not a tensor subclass record")
@@ -367,6 +367,8 @@ def subclass_parts(out: dict, key: str) -> dict:
             parts[name] = t.reshape(shape)
         elif doc["form"] == "flat":
             parts[name] = t.reshape(-1)
+        elif doc["form"] == "grid":
+            parts[name] = t
         else:
             raise SpecError(f"{key}#{name}: unknown form {doc['form']!r}")
     return parts

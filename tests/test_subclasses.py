@@ -789,6 +789,8 @@ def test_the_independent_spec_reader_rebuilds_inner_tensors_from_section_14(tmp_
         "nf4": to_nf4(torch.randn(256, 256, dtype=torch.bfloat16), 64, 256),
         "q8": _trained(AdamW8bit)[1].state_dict()["state"][0]["exp_avg"],
         "q4": OptimState4bit.zeros((256, 256), signed=True),
+        "f8": _float8(_float8_weight()),  # its scale a grid: one per row
+        "mx": _mx(_float8_weight()),  # float8_e8m0fnu scales, one per 32 of a row
     }
     shardsafe.Checkpointer().save(str(tmp_path / "c"), values)
     out = read_checkpoint(str(tmp_path / "c"))
@@ -798,3 +800,179 @@ def test_the_independent_spec_reader_rebuilds_inner_tensors_from_section_14(tmp_
         assert sorted(parts) == sorted(names), key
         for n in names:
             assert_bits(parts[n], getattr(value, n), f"{key}#{n}")
+
+
+# ------------------------------------------------------------------ float8 weights (quantize_'s Float8Tensor)
+
+FLOAT8_PATH = "torchao.quantization.Float8Tensor"
+
+
+def _float8(w: torch.Tensor, per: str = "row"):
+    """A float8 weight with the context quantize_'s Float8DynamicActivationFloat8WeightConfig gives it
+    (a named tuple, a dataclass holding a granularity dataclass and a dtype, an enum): quantize_
+    itself needs a GPU of compute capability 8.9, from_hp runs on CPU."""
+    from torchao.float8.inference import Float8MMConfig
+    from torchao.quantization import Float8Tensor, PerRow, PerTensor
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs
+
+    g = PerRow() if per == "row" else PerTensor()
+    return Float8Tensor.from_hp(
+        w, granularity=g, mm_config=Float8MMConfig(use_fast_accum=True), act_quant_kwargs=QuantizeTensorToFloat8Kwargs(torch.float8_e4m3fn, g)
+    )
+
+
+def _float8_weight(seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(64, 128, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("per", ["row", "tensor"])
+def test_float8_weights_with_row_and_tensor_scales_round_trip_bit_exact(tmp_path, per):
+    want = _float8(_float8_weight(), per)
+    path = str(tmp_path / "c")
+    shardsafe.Checkpointer().save(path, {"w": want})
+    record = json.loads((tmp_path / "c" / "metadata.json").read_text())["objects"]["w"]
+    assert record["class"] == FLOAT8_PATH and record["dtype"] == "bfloat16"
+    grid_block = [1, 128] if per == "row" else [64, 128]
+    assert record["inner"]["scale"] == {"key": "w#scale", "block": grid_block, "form": "grid", "dtype": "float32"}
+    assert record["inner"]["qdata"] == {"key": "w#qdata", "block": [1, 1], "form": "outer", "dtype": "float8_e4m3fn"}
+    kinds = record["ctx"]["act_quant_kwargs"]["fields"]
+    assert kinds["kernel_preference"] == {"$enum": "torchao.quantization.quantize_.common.kernel_preference.KernelPreference", "value": "auto"}
+    assert record["ctx"]["mm_config"]["$class"] == "torchao.float8.inference.Float8MMConfig"
+    with safe_open(str(next((tmp_path / "c").glob("*.safetensors"))), "pt") as f:  # plain safetensors: the codes and the scales
+        assert_bits(f.get_tensor("w#qdata"), want.qdata, "qdata as stored")
+        assert_bits(f.get_tensor("w#scale"), want.scale, "scale as stored")
+
+    target = {"w": _float8(torch.zeros(64, 128, dtype=torch.bfloat16), per)}
+    shardsafe.Checkpointer().load(path, target)
+    _assert_same_subclass(target["w"], want, "loaded in place")
+    assert target["w"].__tensor_flatten__()[1] == want.__tensor_flatten__()[1]
+    whole = shardsafe.Checkpointer().unshard(path)["w"]
+    _assert_same_subclass(whole, want, "unsharded")
+    assert whole.__tensor_flatten__()[1] == want.__tensor_flatten__()[1]  # the enum, named tuple and dataclasses rebuilt
+    assert_bits(shardsafe.Checkpointer().unshard(path, dequantize=True)["w"], want.dequantize(), "dequantized")
+
+
+def _save_float8_rows(rank, world, path, dim):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    w = _float8_weight()
+    local = w.chunk(world, dim=dim)[rank].contiguous()
+    state = {"w": DTensor.from_local(_float8(local), mesh, [Shard(dim)], run_check=False, shape=w.shape, stride=w.stride())}
+    shardsafe.Checkpointer().save(path, state)
+
+
+def _load_float8_rows(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    shape = (64, 128)
+    zeros = torch.zeros(shape[0] // world, shape[1], dtype=torch.bfloat16)
+    target = {"w": DTensor.from_local(_float8(zeros), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=(128, 1))}
+    shardsafe.Checkpointer().load(path, target)
+    want = _float8(_float8_weight().chunk(world)[rank].contiguous())  # per-row scales: a row's scale is its own
+    _assert_same_subclass(target["w"]._local_tensor, want, f"rows of rank {rank}")
+    return True
+
+
+@pytest.mark.parametrize("load_world", [1, 4])
+def test_float8_row_scaled_weights_sharded_by_rows_at_2_load_at_1_and_4(tmp_path_factory, load_world):
+    """Tensor parallel by rows: each rank's Float8Tensor holds its rows and their scales; the
+    scales are a grid of [1, 128] blocks, resharded with the codes."""
+    path = built_once(tmp_path_factory, "subclasses/float8-rows", lambda p: run_ranks(2, _save_float8_rows, p, 0))
+    assert run_ranks(load_world, _load_float8_rows, path) == [True] * load_world
+    if load_world == 1:
+        _assert_same_subclass(shardsafe.Checkpointer().unshard(path)["w"], _float8(_float8_weight()), "unsharded")
+
+
+def _load_float8_columns(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    zeros = torch.zeros(64, 128 // world, dtype=torch.bfloat16)
+    target = {"w": DTensor.from_local(_float8(zeros), mesh, [Shard(1)], run_check=False, shape=torch.Size((64, 128)), stride=(128, 1))}
+    shardsafe.Checkpointer().load(path, target)
+    _assert_same_subclass(target["w"]._local_tensor, _float8(_float8_weight().chunk(world, dim=1)[rank].contiguous()), f"columns of rank {rank}")
+    return True
+
+
+def test_float8_weights_sharded_by_columns_keep_their_half_row_scales(tmp_path):
+    """Each rank quantized its own columns: a scale per half row, stored as a grid of [1, 64]
+    blocks. That layout loads back bit-exact; a whole-row target (blocks of [1, 128]) is refused,
+    naming the context that differs; dequantize=True builds the whole high-precision tensor."""
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_float8_rows, path, 1)
+    record = json.loads((tmp_path / "c" / "metadata.json").read_text())["objects"]["w"]
+    assert record["inner"]["scale"]["block"] == [1, 64] and record["ctx"]["block_size"] == [1, 64]
+    assert run_ranks(2, _load_float8_columns, path) == [True, True]
+    with pytest.raises(ShardingError, match=re.escape("key 'w': the checkpoint holds a torchao.quantization.Float8Tensor with flatten context")) as e:
+        shardsafe.Checkpointer().load(path, {"w": _float8(torch.zeros(64, 128, dtype=torch.bfloat16))})
+    assert "'block_size': [1, 64]" in str(e.value) and "'block_size': [1, 128]" in str(e.value), str(e.value)
+    halves = [_float8(half.contiguous()).dequantize() for half in _float8_weight().chunk(2, dim=1)]
+    assert_bits(shardsafe.Checkpointer().unshard(path, dequantize=True)["w"], torch.cat(halves, dim=1), "dequantized whole")
+
+
+def test_a_context_enum_or_class_off_the_rules_is_never_imported(tmp_path):
+    shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": _float8(_float8_weight())})
+    meta_path = tmp_path / "c" / "metadata.json"
+    doc = json.loads(meta_path.read_text())
+    doc["objects"]["w"]["ctx"]["kernel_preference"]["$enum"] = "os.Enum"
+    meta_path.write_bytes(seal(doc))
+    with pytest.raises(CheckpointError, match=re.escape(
+        "key 'w': the flatten context names class 'os.Enum', which is neither in the module of an allow-listed "
+        "subclass nor in its rule's context classes; shardsafe imports no other class"
+    )):
+        shardsafe.Checkpointer().unshard(str(tmp_path / "c"))
+    doc["objects"]["w"]["ctx"]["kernel_preference"] = {
+        "$enum": "torchao.quantization.quantize_.common.kernel_preference.KernelPreference", "value": "fastest"
+    }
+    meta_path.write_bytes(seal(doc))
+    with pytest.raises(shardsafe.CorruptCheckpointError, match=re.escape(
+        "key 'w': the flatten context's torchao.quantization.quantize_.common.kernel_preference.KernelPreference: "
+        "'fastest' is not a valid KernelPreference"
+    )):
+        shardsafe.Checkpointer().unshard(str(tmp_path / "c"))
+
+
+def _mx(w: torch.Tensor):
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    return MXTensor.to_mx(w, torch.float8_e4m3fn, 32)
+
+
+def test_mxfp8_round_trips_bit_exact_with_its_e8m0_scales_and_loads_by_rows_in_place(tmp_path):
+    """MXFP8: float8 codes and a float8_e8m0fnu scale per 32 elements of a row, a grid of [1, 32]
+    blocks, stored as plain safetensors (F8_E8M0)."""
+    w = _float8_weight()
+    want = _mx(w)
+    path = str(tmp_path / "c")
+    shardsafe.Checkpointer().save(path, {"w": want})
+    record = json.loads((tmp_path / "c" / "metadata.json").read_text())["objects"]["w"]
+    assert record["class"] == "torchao.prototype.mx_formats.mx_tensor.MXTensor"
+    assert record["inner"]["scale"] == {"key": "w#scale", "block": [1, 32], "form": "grid", "dtype": "float8_e8m0fnu"}
+    with safe_open(str(next((tmp_path / "c").glob("*.safetensors"))), "pt") as f:
+        assert_bits(f.get_tensor("w#scale"), want.scale, "e8m0 scale as the safetensors library reads it")
+    target = {"w": _mx(torch.zeros_like(w))}
+    shardsafe.Checkpointer().load(path, target)
+    _assert_same_subclass(target["w"], want, "loaded in place")
+    assert target["w"].__tensor_flatten__()[1] == want.__tensor_flatten__()[1]
+    _assert_same_subclass(shardsafe.Checkpointer().unshard(path)["w"], want, "unsharded")
+    assert_bits(shardsafe.Checkpointer().unshard(path, dequantize=True)["w"], want.dequantize(), "dequantized")
+
+
+def test_mx_scales_swizzled_for_a_kernel_are_refused_by_name(tmp_path):
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    m = _mx(torch.zeros(128, 128, dtype=torch.bfloat16))
+    names, ctx = m.__tensor_flatten__()
+    swizzled = MXTensor.__tensor_unflatten__({n: getattr(m, n) for n in names}, {**ctx, "is_swizzled_scales": True}, m.shape, m.stride())
+    with pytest.raises(ShardingError, match=re.escape(
+        "key 'w': a torchao.prototype.mx_formats.mx_tensor.MXTensor with is_swizzled_scales=True holds its inner tensors "
+        "in a layout of its own, not as blocks of the tensor, so shardsafe cannot store or reshard them"
+    )):
+        shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": swizzled})
+    assert not (tmp_path / "c").exists()

@@ -30,6 +30,7 @@ anything else. Any other subclass is refused, naming the key and the class, insi
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import math
 import threading
@@ -60,12 +61,18 @@ class SubclassRule:
     ``shared``: inner tensors that are the same on every shard (stored once). ``wraps``: the
     inner attribute holding the high-precision tensor of a subclass that only changes how it is
     all-gathered (stored as that tensor, no record). ``dequantize``: the method that returns the
-    high-precision tensor (for ``dequantize=True`` loads and exports)."""
+    high-precision tensor (for ``dequantize=True`` loads and exports). ``context``: the import
+    paths of the enums, dataclasses and named tuples its flatten context may hold from modules
+    other than its own (those of its own module are always allowed). ``refuse``: flatten-context
+    entries ``(name, value)`` under which a value's inner tensors are in a layout of the class's
+    own rather than blocks of the tensor (MX scales swizzled for a GPU kernel): refused on save."""
 
     path: str
     shared: tuple[str, ...] = ()
     wraps: str | None = None
     dequantize: str | None = "dequantize"
+    context: tuple[str, ...] = ()
+    refuse: tuple[tuple[str, Any], ...] = ()
 
 
 _LOCK = threading.Lock()
@@ -83,6 +90,21 @@ _RULES: dict[str, SubclassRule] = {
         SubclassRule("torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor", wraps="_tensor", dequantize=None),
         SubclassRule("torchao.float8.fsdp_utils.WeightWithDelayedFloat8CastTensor", wraps="_tensor", dequantize=None),
         SubclassRule("torchao.float8.fsdp_utils.WeightWithStaticFloat8CastTensor", wraps="_tensor", dequantize=None),
+        # float8 weights with a scale per row, per block or per tensor (quantize_'s float8 configs)
+        SubclassRule("torchao.quantization.Float8Tensor", context=(
+            "torchao.quantization.quantize_.common.kernel_preference.KernelPreference",
+            "torchao.float8.inference.Float8MMConfig",
+            "torchao.quantization.quantize_.workflows.float8.float8_tensor.QuantizeTensorToFloat8Kwargs",
+            "torchao.quantization.granularity.PerRow",
+            "torchao.quantization.granularity.PerTensor",
+            "torchao.quantization.granularity.PerBlock",
+        )),
+        # MXFP8: float8 codes and a float8_e8m0fnu scale per block of 32 along the last dimension
+        SubclassRule(
+            "torchao.prototype.mx_formats.mx_tensor.MXTensor",
+            context=("torchao.quantization.quantize_.common.kernel_preference.KernelPreference",),
+            refuse=(("is_swizzled_scales", True),),
+        ),
     )
 }
 
@@ -92,19 +114,20 @@ def class_path(cls: type) -> str:
 
 
 def register_tensor_subclass(
-    cls: type | str, *, shared: tuple[str, ...] = (), wraps: str | None = None, dequantize: str | None = "dequantize"
+    cls: type | str, *, shared: tuple[str, ...] = (), wraps: str | None = None, dequantize: str | None = "dequantize",
+    context: tuple[str, ...] = (),
 ) -> None:
     """Put a traceable wrapper subclass on the allow-list (by class or import path). ``shared``:
-    inner tensors equal on every shard; ``wraps``: for a subclass that only changes how its tensor
-    is all-gathered, the attribute holding the tensor to store instead; ``dequantize``: the
-    method returning the high-precision tensor (None: none)."""
+    inner tensors equal on every shard; ``wraps``: the attribute to store instead (a subclass that
+    only changes how it is all-gathered); ``dequantize``: the method giving the high precision;
+    ``context``: import paths of enums, dataclasses, named tuples its context holds from elsewhere."""
     path = cls if isinstance(cls, str) else class_path(cls)
     if not isinstance(cls, str) and not (hasattr(cls, "__tensor_flatten__") and hasattr(cls, "__tensor_unflatten__")):
         raise CheckpointError(
             f"{path} has no __tensor_flatten__/__tensor_unflatten__: only traceable wrapper subclasses can be registered"
         )
     with _LOCK:
-        _RULES[path] = SubclassRule(path, tuple(shared), wraps, dequantize)
+        _RULES[path] = SubclassRule(path, tuple(shared), wraps, dequantize, tuple(context))
 
 
 def allowed_tensor_subclasses() -> list[str]:
@@ -158,7 +181,7 @@ def block_shape(key: str, name: str, local: tuple[int, ...], k: int) -> tuple[in
 
 def _geometry(key: str, name: str, inner: torch.Tensor, local: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
     """``(block, form)`` of a blocked inner tensor (one element per ``k`` of the local tensor): ``form`` is ``outer`` (shaped like the
-    local tensor) or ``flat`` (1-D)."""
+    local tensor), ``flat`` (1-D) or ``grid`` (one element per block along each dimension: the grid itself)."""
     numel = math.prod(local)
     if inner.numel() == 0 or numel % inner.numel() != 0:
         raise ShardingError(
@@ -170,10 +193,12 @@ def _geometry(key: str, name: str, inner: torch.Tensor, local: tuple[int, ...]) 
         form = "outer"
     elif inner.dim() == 1:
         form = "flat"
+    elif inner.dim() == len(local) and all(n % g == 0 for n, g in zip(local, inner.shape)):
+        return tuple(n // g for n, g in zip(local, inner.shape)), "grid"  # a scale per row, per block, per tensor
     else:
         raise ShardingError(
             f"key {key!r}: inner tensor {name!r} has shape {list(inner.shape)}, neither the local tensor's "
-            f"{list(local)} nor 1-D; shardsafe does not know how it is laid out"
+            f"{list(local)}, nor 1-D, nor a grid of blocks of it; shardsafe does not know how it is laid out"
         )
     return block_shape(key, name, local, k), form
 
@@ -213,6 +238,10 @@ def _ctx_json(key: str, ctx: Any, local: tuple[int, ...]) -> Any:
             return {"$outer": "device"}
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             return {"$class": class_path(type(v)), "fields": {f.name: walk(getattr(v, f.name)) for f in dataclasses.fields(v)}}
+        if isinstance(v, tuple) and hasattr(type(v), "_fields"):  # a named tuple
+            return {"$class": class_path(type(v)), "fields": {f: walk(getattr(v, f)) for f in type(v)._fields}}
+        if isinstance(v, enum.Enum):
+            return {"$enum": class_path(type(v)), "value": walk(v.value)}
         if isinstance(v, dict):
             return {k: walk(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
@@ -230,9 +259,25 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _ctx_value(key: str, doc: Any, shape: tuple[int, ...], modules: set[str], device: torch.device) -> Any:
+def _context_classes() -> tuple[set[str], set[str]]:
+    """The modules of the allow-listed classes, and the other classes their contexts may hold."""
+    with _LOCK:
+        rules = list(_RULES.values())
+    return {r.path.rpartition(".")[0] for r in rules}, {p for r in rules for p in r.context}
+
+
+def _ctx_value(key: str, doc: Any, shape: tuple[int, ...], device: torch.device) -> Any:
     """The flatten context for a tensor of ``shape``, from its JSON."""
     raw = decode_value(doc, where=f"key {key!r}: the flatten context", allow_pickle=False, opt_in="")
+    modules, classes = _context_classes()
+
+    def allowed(path: Any) -> Any:
+        if not isinstance(path, str) or (path.rpartition(".")[0] not in modules and path not in classes):
+            raise CheckpointError(
+                f"key {key!r}: the flatten context names class {path!r}, which is neither in the module of an "
+                "allow-listed subclass nor in its rule's context classes; shardsafe imports no other class"
+            )
+        return _import(key, path)
 
     def walk(v: Any) -> Any:
         if isinstance(v, dict):
@@ -240,19 +285,24 @@ def _ctx_value(key: str, doc: Any, shape: tuple[int, ...], modules: set[str], de
                 return {"shape": torch.Size(shape), "strides": _contiguous(shape), "device": device}.get(v["$outer"])
             if v.keys() == {"$class", "fields"}:
                 path = v["$class"]
-                if not isinstance(path, str) or path.rpartition(".")[0] not in modules:
-                    raise CheckpointError(
-                        f"key {key!r}: the flatten context names class {path!r}, which is not in the module of an "
-                        "allow-listed subclass; shardsafe imports no other class"
-                    )
-                cls = _import(key, path)
+                cls = allowed(path)
                 fields = v["fields"]
-                if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)) or not isinstance(fields, dict):
-                    raise CheckpointError(f"key {key!r}: the flatten context names {path!r}, which is not a dataclass")
+                named_tuple = isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")
+                if not ((isinstance(cls, type) and dataclasses.is_dataclass(cls)) or named_tuple) or not isinstance(fields, dict):
+                    raise CheckpointError(f"key {key!r}: the flatten context names {path!r}, which is not a dataclass or a named tuple")
                 try:
                     return cls(**{k: walk(x) for k, x in fields.items()})
                 except TypeError as e:
                     raise CorruptCheckpointError(f"key {key!r}: the flatten context's {path} cannot be built: {e}") from None
+            if v.keys() == {"$enum", "value"}:
+                path = v["$enum"]
+                cls = allowed(path)
+                if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
+                    raise CheckpointError(f"key {key!r}: the flatten context names {path!r}, which is not an enum")
+                try:
+                    return cls(walk(v["value"]))
+                except ValueError as e:
+                    raise CorruptCheckpointError(f"key {key!r}: the flatten context's {path}: {e}") from None
             return {k: walk(x) for k, x in v.items()}
         if type(v) in (list, tuple):
             return type(v)(walk(x) for x in v)
@@ -324,6 +374,12 @@ def describe_subclass(
         raise refuse_unknown(key, cls)
     local = tuple(value.shape)
     names, ctx = value.__tensor_flatten__()
+    for name, bad in rule.refuse:
+        if isinstance(ctx, dict) and name in ctx and ctx[name] == bad:
+            raise ShardingError(
+                f"key {key!r}: a {rule.path} with {name}={bad!r} holds its inner tensors in a layout of its own, not as "
+                "blocks of the tensor, so shardsafe cannot store or reshard them; save it before that layout is applied"
+            )
     inners: list[Inner] = []
     doc: dict[str, Any] = {}
     for name in names:
@@ -425,7 +481,7 @@ def valid_record(where: str, key: str, v: Any) -> dict[str, Any]:
         block = doc.get("block")
         if not _ints(block, positive=True) or len(block) != len(v["shape"]):
             raise bad(f"gives inner tensor {name!r} blocks {block!r}; expected {len(v['shape'])} positive integers")
-        if doc.get("form") not in ("outer", "flat") or (doc["form"] == "outer" and any(b != 1 for b in block)):
+        if doc.get("form") not in ("outer", "flat", "grid") or (doc["form"] == "outer" and any(b != 1 for b in block)):
             raise bad(f"gives inner tensor {name!r} form {doc.get('form')!r} with blocks {block}")
     return v
 
@@ -457,8 +513,7 @@ def allocate(where: str, key: str, record: dict[str, Any], shape: tuple[int, ...
         )
     shape = tuple(record["shape"]) if shape is None else shape
     cls = _import(key, path)
-    modules = {p.rpartition(".")[0] for p in _RULES}
-    ctx = _ctx_value(key, record["ctx"], shape, modules, torch.device(device))
+    ctx = _ctx_value(key, record["ctx"], shape, torch.device(device))
     inner: dict[str, torch.Tensor] = {}
     grids: dict[str, torch.Tensor] = {}
     for name, doc in record["inner"].items():
@@ -476,7 +531,7 @@ def allocate(where: str, key: str, record: dict[str, Any], shape: tuple[int, ...
         grid = tuple(n // b for n, b in zip(shape, block))
         g = torch.zeros(grid, dtype=dtype, device=device)
         grids[name] = g
-        inner[name] = g.view(shape) if doc["form"] == "outer" else g.view(-1)
+        inner[name] = g.view(shape) if doc["form"] == "outer" else g if doc["form"] == "grid" else g.view(-1)
     try:
         value = cls.__tensor_unflatten__(inner, ctx, torch.Size(shape), _contiguous(shape))
     except Exception as e:  # the class's own checks of a stored context and inner tensors
@@ -502,7 +557,7 @@ def check_whole(where: str, key: str, record: dict[str, Any]) -> None:
     of part of the last dimension); otherwise ``ShardingError``."""
     shape = record["shape"]
     for name, doc in record["inner"].items():
-        if doc.get("shared"):
+        if doc.get("shared") or doc["form"] == "grid":  # a grid is indexed by block, in any layout
             continue
         block = doc["block"]
         first = next((d for d, b in enumerate(block) if b > 1), len(block))

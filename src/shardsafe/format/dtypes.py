@@ -27,6 +27,8 @@ SAFETENSORS_CODE: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
     torch.complex64: "C64",
 }
+if hasattr(torch, "float8_e8m0fnu"):  # torch 2.7+: the scales of MXFP8 (a power of two a byte)
+    SAFETENSORS_CODE[torch.float8_e8m0fnu] = "F8_E8M0"
 _BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_CODE}
 
 
