@@ -1,6 +1,7 @@
 """Tensor subclasses on CUDA (issue 25): float8 training with FSDP2's float8 all-gather (it
 cannot train on gloo) resumed from a shardsafe checkpoint with the same losses as an
-uninterrupted run, and torchao's 8-bit AdamW state saved from CUDA and resumed in place.
+uninterrupted run, torchao's 8-bit AdamW state saved from CUDA and resumed in place, and a
+model quantized by quantize_ (float8 weights, a scale per row) reloaded with the same outputs.
 
 Marker ``gpu``; skipped without a CUDA device. One rank per GPU with NCCL; the resume at
 another world size needs two GPUs (NCCL refuses two ranks on one device), and is skipped on a
@@ -118,3 +119,26 @@ def test_adamw8bit_state_on_cuda_resumes_in_place_bit_exact(tmp_path, monkeypatc
         mm(_batch(9).repeat(1, 2)).sum().backward()
         oo.step()
     assert torch.equal(m.weight, m2.weight) and torch.equal(m.bias, m2.bias)
+
+
+@pytest.mark.skipif(not _float8_ok(), reason="quantize_'s float8 weights need compute capability 8.9 or later")
+def test_quantize_float8_weights_on_cuda_reload_bit_exact_and_compute_the_same(tmp_path):
+    """A model quantized by quantize_ (Float8Tensor weights, a scale per row) saved from CUDA and
+    loaded into another quantized model: the same codes, scales and outputs."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    def quantized(seed: int):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16).cuda()
+        quantize_(m, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+        return m
+
+    m, m2 = quantized(0), quantized(1)
+    assert type(m[0].weight).__name__ == "Float8Tensor"
+    shardsafe.save_model_and_optim_state(str(tmp_path), m)
+    shardsafe.load_model_and_optim_state(str(tmp_path), m2)
+    for a, b in ((m[0].weight, m2[0].weight), (m[1].weight, m2[1].weight)):
+        assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+        assert b.qdata.is_cuda
+    x = torch.randn(8, 256, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(m(x), m2(x))
