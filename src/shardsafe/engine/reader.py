@@ -338,7 +338,7 @@ class Reader:
         shape = item.dst_shape if flat else piece_shape
         start = item.dst_flat if flat else 0
         partial = False  # the box is one run when, after its leading 1s, only its first dim is partial
-        for d, (o, n, size) in enumerate(zip(item.dst_rel, item.lengths, shape)):
+        for o, n, size in zip(item.dst_rel, item.lengths, shape):
             if partial and (o != 0 or n != size):
                 return None
             if n != 1:
