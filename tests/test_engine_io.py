@@ -21,7 +21,7 @@ from shardsafe.knobs import KNOBS
 from shardsafe.storage import local as local_storage
 from shardsafe.storage import open_storage
 
-from .helpers import bits
+from .helpers import assert_bits, bits
 
 _KiB = 1 << 10
 TINY = dataclasses.replace(KNOBS, write_block_bytes=64 * _KiB, read_block_bytes=64 * _KiB, io_threads=4, writeback_bytes=128 * _KiB)
@@ -187,3 +187,29 @@ def test_byte_view_is_the_tensors_own_bytes_and_keeps_it_alive():
     assert byte_view(torch.empty(0)).nbytes == 0
     with pytest.raises(ValueError, match=r"byte_view needs a contiguous CPU tensor, got one on cpu with strides \(1, 4\)"):
         byte_view(t.t())
+    conj = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()  # contiguous, but its bytes are the unconjugated values
+    with pytest.raises(ValueError, match=re.escape("byte_view needs a tensor whose bytes are its values; resolve_conj()")):
+        byte_view(conj)
+    assert bytes(byte_view(conj.resolve_conj())) == conj.resolve_conj().numpy().tobytes()
+
+
+def test_conjugate_and_negative_views_save_and_load_their_values(tmp_path):
+    """A lazy conjugate (or negative) view's memory holds the unconjugated values: the save
+    writes the values, and a load into such a view leaves the view reading the stored values."""
+    z = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j], dtype=torch.complex64)
+    state = {"conj": z.conj(), "neg": torch._neg_view(torch.arange(4.0))}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    for mode in ("save", "async_save"):
+        path = str(tmp_path / mode)
+        if mode == "save":
+            Checkpointer().save(path, state)
+        else:
+            Checkpointer().async_save(path, state).wait()
+        out = Checkpointer().unshard(path)
+        assert_bits(out["conj"], z.conj().resolve_conj(), f"{mode}: conj")
+        assert_bits(out["neg"], -torch.arange(4.0), f"{mode}: neg")
+    target = {"conj": torch.zeros(3, dtype=torch.complex64).conj(), "neg": torch._neg_view(torch.zeros(4))}
+    Checkpointer().load(str(tmp_path / "save"), target)
+    assert target["conj"].is_conj() and target["neg"].is_neg()
+    assert_bits(target["conj"].resolve_conj(), z.conj().resolve_conj(), "loaded into a conjugate view")
+    assert_bits(target["neg"].resolve_neg(), -torch.arange(4.0), "loaded into a negative view")

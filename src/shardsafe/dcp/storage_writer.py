@@ -367,7 +367,7 @@ def _resolved_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
         raise ShapeMismatchError(
             f"key {key!r}: the save planner resolved a chunk of shape {list(data.shape)}, its plan says {list(td.chunk.sizes)}"
         )
-    data = data.detach()
+    data = data.detach().resolve_conj().resolve_neg()  # a lazy view's bytes are not its values
     if data.device.type != "cpu":
         data = data.to("cpu")
     return data.contiguous()

@@ -126,6 +126,8 @@ def item_data(item: Any, local: dict[str, Any]) -> torch.Tensor:
     if item.flat is None and (item.offsets, item.lengths) != (piece_off, piece_lens):  # part of a split replica
         start = item.offsets[0] - piece_off[0]
         view = view[start : start + item.lengths[0]]
+    if view.is_conj() or view.is_neg():  # a lazy conjugate or negative view: its bytes are not its values
+        view = view.resolve_conj().resolve_neg()
     return view  # describe_state's views are detached already
 
 
