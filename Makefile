@@ -116,9 +116,12 @@ bench-subclasses: $(STAMP)
 
 # The memory tier (issue 24): save blocking vs memcpy, time to safe vs a raw send, restore after a
 # node loss from peers' memory vs from the durable tier read cold; one MEMTIER line
-.PHONY: bench-memory bench-memory-quick
+.PHONY: bench-memory bench-memory-gpu bench-memory-quick
 bench-memory: $(STAMP)
 	$(PY) benchmarks/bench_memtier.py --nodes 4 --mib-per-rank 256
+
+bench-memory-gpu: $(STAMP)
+	$(PY) benchmarks/bench_memtier_gpu.py --mib 256
 
 bench-memory-quick: $(STAMP)
 	$(PY) benchmarks/bench_memtier.py --nodes 3 --mib-per-rank 16 --steps 3
