@@ -853,27 +853,29 @@ def test_float8_weights_with_row_and_tensor_scales_round_trip_bit_exact(tmp_path
     assert_bits(shardsafe.Checkpointer().unshard(path, dequantize=True)["w"], want.dequantize(), "dequantized")
 
 
-def _save_float8_rows(rank, world, path, dim):
+def _save_float8_rows(rank, world, path, dim, kind="float8"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (world,))
     w = _float8_weight()
     local = w.chunk(world, dim=dim)[rank].contiguous()
-    state = {"w": DTensor.from_local(_float8(local), mesh, [Shard(dim)], run_check=False, shape=w.shape, stride=w.stride())}
+    quantized = _float8 if kind == "float8" else _mx
+    state = {"w": DTensor.from_local(quantized(local), mesh, [Shard(dim)], run_check=False, shape=w.shape, stride=w.stride())}
     shardsafe.Checkpointer().save(path, state)
 
 
-def _load_float8_rows(rank, world, path):
+def _load_float8_rows(rank, world, path, kind="float8"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (world,))
     shape = (64, 128)
     zeros = torch.zeros(shape[0] // world, shape[1], dtype=torch.bfloat16)
-    target = {"w": DTensor.from_local(_float8(zeros), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=(128, 1))}
+    quantized = _float8 if kind == "float8" else _mx
+    target = {"w": DTensor.from_local(quantized(zeros), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=(128, 1))}
     shardsafe.Checkpointer().load(path, target)
-    want = _float8(_float8_weight().chunk(world)[rank].contiguous())  # per-row scales: a row's scale is its own
+    want = quantized(_float8_weight().chunk(world)[rank].contiguous())  # scales per row (or per 32 of a row): a row's are its own
     _assert_same_subclass(target["w"]._local_tensor, want, f"rows of rank {rank}")
     return True
 
@@ -976,3 +978,9 @@ def test_mx_scales_swizzled_for_a_kernel_are_refused_by_name(tmp_path):
     )):
         shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": swizzled})
     assert not (tmp_path / "c").exists()
+
+
+def test_mxfp8_sharded_by_rows_at_2_loads_at_4_bit_exact(tmp_path_factory):
+    """MXFP8 under tensor parallel by rows: its e8m0 scales (blocks of [1, 32]) reshard with its codes."""
+    path = built_once(tmp_path_factory, "subclasses/mx-rows", lambda p: run_ranks(2, _save_float8_rows, p, 0, "mx"))
+    assert run_ranks(4, _load_float8_rows, path, "mx") == [True] * 4
