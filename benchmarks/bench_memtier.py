@@ -127,13 +127,10 @@ def _train(rank: int, world: int, port: int, cfg: dict, out) -> None:
                 for t in local:
                     t.add_(1.0)
             dist.barrier()
-            t0, c0 = time.perf_counter(), _cpu()
-            mgr.save(s, m)
-            t1 = time.perf_counter()
-            mgr.wait_until_finished()
-            t2 = time.perf_counter()
-            blocked.append(t1 - t0)
-            safe.append(t2 - t0)
+            c0 = _cpu()
+            b, done = timed_save(mgr, s, m)
+            blocked.append(b)
+            safe.append(done)
             save_cpu.append(_cpu() - c0)
     used = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(mem) for f in fs)
     dist.barrier()
@@ -143,6 +140,16 @@ def _train(rank: int, world: int, port: int, cfg: dict, out) -> None:
         "safe": statistics.median(safe[1:] or safe), "ram_x": used / nbytes,
         "save_cpu": statistics.median(save_cpu[1:] or save_cpu), "send_cpu": statistics.median(send_cpu),
     }))
+
+
+def timed_save(mgr, step: int, model) -> tuple[float, float]:
+    """``mgr.save(step, model)``: the seconds it kept the caller, and the seconds until the step
+    was committed (with replicas, safe in memory)."""
+    t0 = time.perf_counter()
+    mgr.save(step, model)
+    t1 = time.perf_counter()
+    mgr.wait_until_finished()
+    return t1 - t0, time.perf_counter() - t0
 
 
 def _cpu() -> float:

@@ -30,6 +30,7 @@ import tempfile
 import time
 
 import torch
+from bench_memtier import timed_save  # this folder: the scripts run from it
 
 import shardsafe
 
@@ -92,13 +93,9 @@ def main() -> int:
                     for p in params:
                         p.add_(1.0)  # the loop's update: the step saved is this one
                 _sync(device)
-                t0 = time.perf_counter()
-                mgr.save(step, m)
-                t1 = time.perf_counter()
-                mgr.wait_until_finished()
-                t2 = time.perf_counter()
-                blocked.append(t1 - t0)
-                tier0.append(t2 - t0)
+                b, done = timed_save(mgr, step, m)
+                blocked.append(b)
+                tier0.append(done)
         with shardsafe.CheckpointManager(f"{work}/root", memory_dir=mem, node=0, replicas=0, persist_every=None) as mgr:
             _sync(device)
             t0 = time.perf_counter()
