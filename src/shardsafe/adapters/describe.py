@@ -25,7 +25,7 @@ from ..format.dtypes import dtype_name
 from ..format.geometry import Piece, chunk_bounds
 from .flat_sharded import flat_sharding
 from .sharded_tensor import ShardedTensor, view_as
-from .subclasses import Described, as_plain, describe_subclass, refuse_unknown, rule_for, unwrap
+from .subclasses import Described, as_plain, class_path, describe_subclass, refuse_unknown, rule_for, unwrap
 
 DTensor: Any = None  # set by _dtensor() once torch.distributed.tensor is imported
 Replicate: Any = None
@@ -208,7 +208,7 @@ def _describe(name: str, value: Any, targets: bool) -> LocalTensor | Described |
             if rule_for(cls) is None:
                 raise refuse_unknown(value.key, cls, " (the data of a ShardedTensor)")
             raise ShardingError(
-                f"key {value.key!r}: the data of this ShardedTensor is a {cls.__module__}.{cls.__qualname__}; shardsafe "
+                f"key {value.key!r}: the data of this ShardedTensor is a {class_path(cls)}; shardsafe "
                 "stores its blocks for a DTensor or a plain tensor holding it, not for a ShardedTensor's box or flattened range"
             )
         _check_tensor(value.key, data)

@@ -53,7 +53,6 @@ _HOT_BYTES = 1 << 20
 _INLINE_BYTES = 64 << 10
 _DONE: Future = Future()  # a finished future: the end of a target's reads in load_planned's queue, and a task run inline that succeeded
 _DONE.set_result(None)
-_MISSING = object()  # a cache miss in Reader._box_bytes
 
 
 _SHARED: dict[tuple[int, int], tuple[ThreadPoolExecutor | None, Scratch]] = {}
@@ -122,8 +121,8 @@ class Reader:
         self.pool, self.scratch = _shared(self.threads, self.budget)
         self.bytes_read = 0  # bytes fetched from storage, over-reads of blocks and coalesced gaps included
         self._count_lock = threading.Lock()
-        self._pieces: dict[tuple[int, int], tuple[memoryview, tuple[int, ...]] | None] = {}  # see _box_bytes
-        self._keep: list[LocalTensor] = []
+        # (id(target), piece) -> (target, its piece's bytes and shape, or None): see _box_bytes
+        self._pieces: dict[tuple[int, int], tuple[LocalTensor, tuple[memoryview, tuple[int, ...]] | None]] = {}
 
     def __enter__(self) -> Reader:
         return self
@@ -206,7 +205,6 @@ class Reader:
             raise
         finally:
             self._pieces.clear()
-            self._keep.clear()
 
     def _plan(self, meta: TensorStorageMetadata, target: LocalTensor, indices: list[int] | None = None) -> list[ReadItem]:
         items, covered = plan_reads(StoredIndex(meta, target.pieces, indices=indices), target.pieces)
@@ -264,7 +262,7 @@ class Reader:
         room = self.budget - 2 * sums.block_bytes if sums.block_bytes < sums.nbytes else self.budget
         if row * item.lengths[0] <= room:
             return [item]
-        dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
+        dst = _dst_view(item, target)
         if not strided and can_read_into(dst):
             return [item]  # read straight into the target: scratch only for the end blocks
         step = max(1, room // row)
@@ -298,7 +296,7 @@ class Reader:
         dst: torch.Tensor | None = None
         into = self._box_bytes(item, target, hi - lo) if n_runs == 1 else None
         if into is None:
-            dst = _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
+            dst = _dst_view(item, target)
             if n_runs == 1 and can_read_into(dst):  # a contiguous box of a piece view _box_bytes does not see through
                 into = byte_view(dst)
         if into is not None:
@@ -313,7 +311,7 @@ class Reader:
         if (span_hi - span_lo > self.budget and sums.block_bytes >= sums.nbytes and sums.algorithm == "crc32c") or (
             n_runs > 1 and sums.algorithm == UNCHECKED
         ):  # a part of a large v1 chunk, or runs that carry no digests (gaps under the knob coalesced)
-            box = dst if dst is not None else _dst_view(item, target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None)
+            box = dst if dst is not None else _dst_view(item, target)
             return [lambda: self._run_unverified(item, itemsize, box)]
         if into is not None:
             return [lambda: self._via_scratch(item, None, span_lo, span_hi, lo, hi, into=into)]
@@ -324,16 +322,15 @@ class Reader:
         contiguous run of a CPU piece; else None. Computed from the piece's byte view (made once
         per piece and load) with no torch call: a torch call on this thread gives up the GIL
         and waits for it behind the reading threads, once per task."""
-        cache = self._pieces
-        got = cache.get((id(target), item.dst_piece), _MISSING)
-        if got is _MISSING:
+        entry = self._pieces.get((id(target), item.dst_piece))
+        if entry is None:  # the entry holds the target: an id() key is never reused while cached
             view = target.views[item.dst_piece]
-            got = (byte_view(view), tuple(view.shape)) if can_read_into(view) and view.numel() else None
-            cache[(id(target), item.dst_piece)] = got
-            self._keep.append(target)  # the cache is keyed by id(): the target outlives it
-        if got is None:
+            entry = self._pieces[(id(target), item.dst_piece)] = (
+                target, (byte_view(view), tuple(view.shape)) if can_read_into(view) and view.numel() else None
+            )
+        if entry[1] is None:
             return None
-        mv, piece_shape = got
+        mv, piece_shape = entry[1]
         flat = target.pieces[item.dst_piece][2] is not None
         shape = item.dst_shape if flat else piece_shape
         start = item.dst_flat if flat else 0
@@ -484,8 +481,9 @@ def _src_runs(item: ReadItem) -> tuple[int, int, int, int]:
     return prod(item.lengths[:kp]), item.lengths[kp] * strides[kp], first, kp
 
 
-def _dst_view(item: ReadItem, piece_view: torch.Tensor, flat: bool) -> torch.Tensor:
-    """The view of the target that receives ``item``: a box of one target segment."""
+def _dst_view(item: ReadItem, target: LocalTensor) -> torch.Tensor:
+    """The view of ``target`` that receives ``item``: a box of one target segment."""
+    piece_view, flat = target.views[item.dst_piece], target.pieces[item.dst_piece][2] is not None
     seg = piece_view[item.dst_flat : item.dst_flat + prod(item.dst_shape)].view(item.dst_shape) if flat else piece_view
     return seg[tuple(slice(o, o + n) for o, n in zip(item.dst_rel, item.lengths))]
 
