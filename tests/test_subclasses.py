@@ -837,7 +837,9 @@ def test_float8_weights_with_row_and_tensor_scales_round_trip_bit_exact(tmp_path
     assert record["inner"]["scale"] == {"key": "w#scale", "block": grid_block, "form": "grid", "dtype": "float32"}
     assert record["inner"]["qdata"] == {"key": "w#qdata", "block": [1, 1], "form": "outer", "dtype": "float8_e4m3fn"}
     kinds = record["ctx"]["act_quant_kwargs"]["fields"]
-    assert kinds["kernel_preference"] == {"$enum": "torchao.quantization.quantize_.common.kernel_preference.KernelPreference", "value": "auto"}
+    assert kinds["kernel_preference"] == {  # an enum is the values codec's (docs/format.md §13)
+        "__shardsafe__": "enum", "class": "torchao.quantization.quantize_.common.kernel_preference:KernelPreference", "name": "AUTO"
+    }
     assert record["ctx"]["mm_config"]["$class"] == "torchao.float8.inference.Float8MMConfig"
     with safe_open(str(next((tmp_path / "c").glob("*.safetensors"))), "pt") as f:  # plain safetensors: the codes and the scales
         assert_bits(f.get_tensor("w#qdata"), want.qdata, "qdata as stored")
@@ -918,24 +920,23 @@ def test_float8_weights_sharded_by_columns_keep_their_half_row_scales(tmp_path):
     assert_bits(shardsafe.Checkpointer().unshard(path, dequantize=True)["w"], torch.cat(halves, dim=1), "dequantized whole")
 
 
-def test_a_context_enum_or_class_off_the_rules_is_never_imported(tmp_path):
+def test_a_context_class_off_the_rules_is_never_imported_and_a_bad_enum_is_refused(tmp_path):
     shardsafe.Checkpointer().save(str(tmp_path / "c"), {"w": _float8(_float8_weight())})
     meta_path = tmp_path / "c" / "metadata.json"
     doc = json.loads(meta_path.read_text())
-    doc["objects"]["w"]["ctx"]["kernel_preference"]["$enum"] = "os.Enum"
+    doc["objects"]["w"]["ctx"]["mm_config"]["$class"] = "os.Enum"
     meta_path.write_bytes(seal(doc))
     with pytest.raises(CheckpointError, match=re.escape(
         "key 'w': the flatten context names class 'os.Enum', which is neither in the module of an allow-listed "
         "subclass nor in its rule's context classes; shardsafe imports no other class"
     )):
         shardsafe.Checkpointer().unshard(str(tmp_path / "c"))
-    doc["objects"]["w"]["ctx"]["kernel_preference"] = {
-        "$enum": "torchao.quantization.quantize_.common.kernel_preference.KernelPreference", "value": "fastest"
-    }
+    doc = json.loads(meta_path.read_text())
+    doc["objects"]["w"]["ctx"]["mm_config"]["$class"] = "torchao.float8.inference.Float8MMConfig"
+    doc["objects"]["w"]["ctx"]["kernel_preference"]["name"] = "FASTEST"
     meta_path.write_bytes(seal(doc))
     with pytest.raises(shardsafe.CorruptCheckpointError, match=re.escape(
-        "key 'w': the flatten context's torchao.quantization.quantize_.common.kernel_preference.KernelPreference: "
-        "'fastest' is not a valid KernelPreference"
+        "enum torchao.quantization.quantize_.common.kernel_preference.KernelPreference has no member 'FASTEST'"
     )):
         shardsafe.Checkpointer().unshard(str(tmp_path / "c"))
 

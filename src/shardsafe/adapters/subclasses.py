@@ -30,7 +30,6 @@ anything else. Any other subclass is refused, naming the key and the class, insi
 from __future__ import annotations
 
 import dataclasses
-import enum
 import importlib
 import math
 import threading
@@ -62,8 +61,8 @@ class SubclassRule:
     inner attribute holding the high-precision tensor of a subclass that only changes how it is
     all-gathered (stored as that tensor, no record). ``dequantize``: the method that returns the
     high-precision tensor (for ``dequantize=True`` loads and exports). ``context``: the import
-    paths of the enums, dataclasses and named tuples its flatten context may hold from modules
-    other than its own (those of its own module are always allowed). ``refuse``: flatten-context
+    paths of the dataclasses and named tuples its flatten context may hold from modules other
+    than its own (those of its own module are always allowed; an enum is the values codec's). ``refuse``: flatten-context
     entries ``(name, value)`` under which a value's inner tensors are in a layout of the class's
     own rather than blocks of the tensor (MX scales swizzled for a GPU kernel): refused on save."""
 
@@ -92,7 +91,6 @@ _RULES: dict[str, SubclassRule] = {
         SubclassRule("torchao.float8.fsdp_utils.WeightWithStaticFloat8CastTensor", wraps="_tensor", dequantize=None),
         # float8 weights with a scale per row, per block or per tensor (quantize_'s float8 configs)
         SubclassRule("torchao.quantization.Float8Tensor", context=(
-            "torchao.quantization.quantize_.common.kernel_preference.KernelPreference",
             "torchao.float8.inference.Float8MMConfig",
             "torchao.quantization.quantize_.workflows.float8.float8_tensor.QuantizeTensorToFloat8Kwargs",
             "torchao.quantization.granularity.PerRow",
@@ -100,11 +98,7 @@ _RULES: dict[str, SubclassRule] = {
             "torchao.quantization.granularity.PerBlock",
         )),
         # MXFP8: float8 codes and a float8_e8m0fnu scale per block of 32 along the last dimension
-        SubclassRule(
-            "torchao.prototype.mx_formats.mx_tensor.MXTensor",
-            context=("torchao.quantization.quantize_.common.kernel_preference.KernelPreference",),
-            refuse=(("is_swizzled_scales", True),),
-        ),
+        SubclassRule("torchao.prototype.mx_formats.mx_tensor.MXTensor", refuse=(("is_swizzled_scales", True),)),
     )
 }
 
@@ -120,7 +114,7 @@ def register_tensor_subclass(
     """Put a traceable wrapper subclass on the allow-list (by class or import path). ``shared``:
     inner tensors equal on every shard; ``wraps``: the attribute to store instead (a subclass that
     only changes how it is all-gathered); ``dequantize``: the method giving the high precision;
-    ``context``: import paths of enums, dataclasses, named tuples its context holds from elsewhere."""
+    ``context``: import paths of the dataclasses and named tuples its context holds from elsewhere."""
     path = cls if isinstance(cls, str) else class_path(cls)
     if not isinstance(cls, str) and not (hasattr(cls, "__tensor_flatten__") and hasattr(cls, "__tensor_unflatten__")):
         raise CheckpointError(
@@ -240,8 +234,6 @@ def _ctx_json(key: str, ctx: Any, local: tuple[int, ...]) -> Any:
             return {"$class": class_path(type(v)), "fields": {f.name: walk(getattr(v, f.name)) for f in dataclasses.fields(v)}}
         if isinstance(v, tuple) and hasattr(type(v), "_fields"):  # a named tuple
             return {"$class": class_path(type(v)), "fields": {f: walk(getattr(v, f)) for f in type(v)._fields}}
-        if isinstance(v, enum.Enum):
-            return {"$enum": class_path(type(v)), "value": walk(v.value)}
         if isinstance(v, dict):
             return {k: walk(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
@@ -271,21 +263,18 @@ def _ctx_value(key: str, doc: Any, shape: tuple[int, ...], device: torch.device)
     raw = decode_value(doc, where=f"key {key!r}: the flatten context", allow_pickle=False, opt_in="")
     modules, classes = _context_classes()
 
-    def allowed(path: Any) -> Any:
-        if not isinstance(path, str) or (path.rpartition(".")[0] not in modules and path not in classes):
-            raise CheckpointError(
-                f"key {key!r}: the flatten context names class {path!r}, which is neither in the module of an "
-                "allow-listed subclass nor in its rule's context classes; shardsafe imports no other class"
-            )
-        return _import(key, path)
-
     def walk(v: Any) -> Any:
         if isinstance(v, dict):
             if v.keys() == {"$outer"}:
                 return {"shape": torch.Size(shape), "strides": _contiguous(shape), "device": device}.get(v["$outer"])
             if v.keys() == {"$class", "fields"}:
                 path = v["$class"]
-                cls = allowed(path)
+                if not isinstance(path, str) or (path.rpartition(".")[0] not in modules and path not in classes):
+                    raise CheckpointError(
+                        f"key {key!r}: the flatten context names class {path!r}, which is neither in the module of an "
+                        "allow-listed subclass nor in its rule's context classes; shardsafe imports no other class"
+                    )
+                cls = _import(key, path)
                 fields = v["fields"]
                 named_tuple = isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")
                 if not ((isinstance(cls, type) and dataclasses.is_dataclass(cls)) or named_tuple) or not isinstance(fields, dict):
@@ -294,15 +283,6 @@ def _ctx_value(key: str, doc: Any, shape: tuple[int, ...], device: torch.device)
                     return cls(**{k: walk(x) for k, x in fields.items()})
                 except TypeError as e:
                     raise CorruptCheckpointError(f"key {key!r}: the flatten context's {path} cannot be built: {e}") from None
-            if v.keys() == {"$enum", "value"}:
-                path = v["$enum"]
-                cls = allowed(path)
-                if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
-                    raise CheckpointError(f"key {key!r}: the flatten context names {path!r}, which is not an enum")
-                try:
-                    return cls(walk(v["value"]))
-                except ValueError as e:
-                    raise CorruptCheckpointError(f"key {key!r}: the flatten context's {path}: {e}") from None
             return {k: walk(x) for k, x in v.items()}
         if type(v) in (list, tuple):
             return type(v)(walk(x) for x in v)
