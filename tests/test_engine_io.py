@@ -193,6 +193,24 @@ def test_byte_view_is_the_tensors_own_bytes_and_keeps_it_alive():
     assert bytes(byte_view(conj.resolve_conj())) == conj.resolve_conj().numpy().tobytes()
 
 
+def test_is_lazy_view_agrees_with_is_conj_and_is_neg():
+    """``is_lazy_view`` reads the dispatch keys (keeping the GIL) where the reader used to call
+    ``is_conj()`` / ``is_neg()``: it must answer exactly as they do, views of views included."""
+    from shardsafe.engine.buffers import can_read_into, is_lazy_view
+
+    z = torch.tensor([1 + 2j, 3 - 1j, 0.5j], dtype=torch.complex64)
+    cases = {
+        "float": torch.arange(4.0), "complex": z, "conj": z.conj(), "imag of conj (negative)": z.conj().imag,
+        "real of conj": z.conj().real, "neg view": torch._neg_view(torch.arange(4.0)), "slice of conj": z.conj()[1:],
+        "resolved conj": z.conj().resolve_conj(), "resolved neg": torch._neg_view(torch.arange(4.0)).resolve_neg(),
+        "conj of a real tensor": torch.arange(3.0).conj(), "parameter": torch.nn.Parameter(torch.ones(2)),
+    }
+    expected = {k: t.is_conj() or t.is_neg() for k, t in cases.items()}
+    assert expected == {k: k in ("conj", "imag of conj (negative)", "neg view", "slice of conj") for k in cases}
+    assert {k: is_lazy_view(t) for k, t in cases.items()} == expected
+    assert {k: can_read_into(t) for k, t in cases.items()} == {k: not v and cases[k].is_contiguous() for k, v in expected.items()}
+
+
 def test_conjugate_and_negative_views_save_and_load_their_values(tmp_path):
     """A lazy conjugate (or negative) view's memory holds the unconjugated values: the save
     writes the values, and a load into such a view leaves the view reading the stored values."""
