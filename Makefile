@@ -112,7 +112,7 @@ bench-hf-quick: $(BENCH_STAMP)
 # AdamW state, per byte of checkpoint, shardsafe and DCP in one run; one SUBCLASS line
 .PHONY: bench-subclasses
 bench-subclasses: $(STAMP)
-	$(PY) benchmarks/bench_subclasses.py --width 2048 --wide 4096
+	$(PY) benchmarks/bench_subclasses.py --width 2048 --wide 4096 8192
 
 # The memory tier (issue 24): save blocking vs memcpy, time to safe vs a raw send, restore after a
 # node loss from peers' memory vs from the durable tier read cold; one MEMTIER line
