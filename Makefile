@@ -109,7 +109,8 @@ bench-hf-quick: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_hf.py --quick
 
 # Tensor subclasses (issue 25): save and load with torchao's 8-bit optimizer state against plain
-# AdamW state, per byte of checkpoint, shardsafe and DCP in one run; one SUBCLASS line
+# AdamW state, per byte of checkpoint, shardsafe and DCP in one run, at 16, 64 and 256 MiB weights;
+# the marginal cost of a byte from the last two (fixed costs cancel); one SUBCLASS line (about 8 min)
 .PHONY: bench-subclasses
 bench-subclasses: $(STAMP)
 	$(PY) benchmarks/bench_subclasses.py --width 2048 --wide 4096 8192
