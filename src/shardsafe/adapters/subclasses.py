@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError, ShardingError
-from ..format.dtypes import SAFETENSORS_CODE, dtype_name, torch_dtype
+from ..format.dtypes import DTYPE_NAMES, dtype_name, torch_dtype
 from ..format.values import TAG, decode_value, encode_value
 
 __all__ = [
@@ -47,7 +47,6 @@ __all__ = [
     "register_tensor_subclass", "rule_for",
 ]
 
-_DTYPE_NAMES = frozenset(str(d).removeprefix("torch.") for d in SAFETENSORS_CODE)
 INNER_SEP = "#"
 """Between a subclass's key and an inner tensor's name: ``optim.state.w.exp_avg#codes``."""
 RECORD_TAG = "tensor_subclass"
@@ -444,7 +443,7 @@ def valid_record(where: str, key: str, v: Any) -> dict[str, Any]:
         raise bad(f"names no class ({v.get('class')!r})")
     if not _ints(v.get("shape"), positive=False) or len(v["shape"]) > 64:
         raise bad(f"has shape {v.get('shape')!r}; expected a list of at most 64 non-negative integers")
-    if v.get("dtype") not in _DTYPE_NAMES:
+    if v.get("dtype") not in DTYPE_NAMES:
         raise bad(f"has dtype {v.get('dtype')!r}, which safetensors does not store")
     inner = v.get("inner")
     if not isinstance(inner, dict) or not inner:
@@ -452,7 +451,7 @@ def valid_record(where: str, key: str, v: Any) -> dict[str, Any]:
     for name, doc in inner.items():
         if not isinstance(doc, dict) or doc.get("key") != f"{key}{INNER_SEP}{name}":
             raise bad(f"stores inner tensor {name!r} as {doc!r}; expected it under {key + INNER_SEP + name!r}")
-        if doc.get("dtype") not in _DTYPE_NAMES:
+        if doc.get("dtype") not in DTYPE_NAMES:
             raise bad(f"gives inner tensor {name!r} dtype {doc.get('dtype')!r}, which safetensors does not store")
         if doc.get("shared") is True:
             if not _ints(doc.get("shape"), positive=False) or len(doc["shape"]) > 64:

@@ -6,7 +6,7 @@ import torch
 
 from ..errors import DtypeMismatchError
 
-__all__ = ["SAFETENSORS_CODE", "dtype_name", "itemsize", "torch_dtype"]
+__all__ = ["DTYPE_NAMES", "SAFETENSORS_CODE", "dtype_name", "itemsize", "torch_dtype"]
 
 # torch dtype -> safetensors header code; the set safetensors itself can store.
 SAFETENSORS_CODE: dict[torch.dtype, str] = {
@@ -30,6 +30,8 @@ SAFETENSORS_CODE: dict[torch.dtype, str] = {
 if hasattr(torch, "float8_e8m0fnu"):  # torch 2.7+: the scales of MXFP8 (a power of two a byte)
     SAFETENSORS_CODE[torch.float8_e8m0fnu] = "F8_E8M0"
 _BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_CODE}
+DTYPE_NAMES = frozenset(_BY_NAME)
+"""The metadata names of the dtypes safetensors stores (``"bfloat16"``)."""
 
 
 _NAMES: dict[torch.dtype, str] = {d: n for n, d in _BY_NAME.items()}
