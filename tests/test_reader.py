@@ -83,14 +83,24 @@ def test_loads_share_their_threads_and_a_forked_child_starts_its_own(tmp_path):
     import multiprocessing as mp
     import threading
 
-    want = torch.arange(4096.0).reshape(64, 64)
+    from shardsafe.engine import reader
+
+    if reader.reader_threads(open_storage(str(tmp_path)), KNOBS) < 2:
+        pytest.skip("one CPU: local reads run on the loading thread, there is no pool to share")
+    # large enough to be read by the pool: a read of at most _INLINE_BYTES runs on the loading
+    # thread, and a process whose first load read only those would have no reader threads at all;
+    # float64, so that it is fewer elements than torch's grain for parallel ops (32768): an op
+    # that fans out to the intra-op pool in a forked child hangs (torch's pool does not survive
+    # a fork either), and the child below fills and compares one
+    want = torch.arange(16384.0, dtype=torch.float64).reshape(128, 128)
+    assert want.numel() * want.element_size() > reader._INLINE_BYTES and want.numel() < 32768
     Checkpointer().save(tmp_path / "c", {"w": want})
 
     def readers() -> set[int]:
         return {t.ident for t in threading.enumerate() if t.name.startswith("shardsafe-read")}
 
     for _ in range(3):
-        got = {"w": torch.zeros(64, 64)[:, :64]}
+        got = {"w": torch.zeros(128, 128, dtype=torch.float64)[:, :128]}
         Checkpointer().load(tmp_path / "c", got, no_dist=True)
         assert torch.equal(got["w"], want)
         if _ == 0:
