@@ -129,7 +129,8 @@ def load_state(
         targets = load_targets(
             state_dict, StoredValues(meta), lambda: [*meta.tensors, *meta.objects, *meta.pickled_objects]
         )
-        tensors, objects = describe_state(targets.flat, targets=True)
+        with paused_gc():  # a description and its views per tensor, as on save
+            tensors, objects = describe_state(targets.flat, targets=True)
         if dequantize:
             whole = [t for t in tensors if t.subclass is None and t.key not in meta.tensors and is_record(meta.objects.get(t.key))]
             for t in whole:

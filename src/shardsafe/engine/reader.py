@@ -28,6 +28,7 @@ from math import prod
 
 import torch
 
+from .._gc import paused_gc
 from ..adapters import LocalTensor
 from ..errors import CorruptCheckpointError
 from ..format.checksum import UNCHECKED
@@ -144,10 +145,11 @@ class Reader:
         are in flight. On an error, reads already started finish (they write into target
         memory) before it is raised.
         """
-        pairs = list(pairs)
-        hits = [meta.overlapping([(off, lens) for off, lens, _ in target.pieces]) for meta, target in pairs]
-        self._read_headers(pairs, hits)
-        self.load_planned(((self._plan(meta, target, idx), target) for (meta, target), idx in zip(pairs, hits)), done)
+        with paused_gc():  # plans and tasks: small acyclic objects, a few dozen per tensor
+            pairs = list(pairs)
+            hits = [meta.overlapping([(off, lens) for off, lens, _ in target.pieces]) for meta, target in pairs]
+            self._read_headers(pairs, hits)
+            self.load_planned(((self._plan(meta, target, idx), target) for (meta, target), idx in zip(pairs, hits)), done)
 
     def _read_headers(self, pairs: list[tuple[TensorStorageMetadata, LocalTensor]], hits: list[list[int] | None]) -> None:
         """Format v3: read the headers of every file the targets need (``hits``: each target's
