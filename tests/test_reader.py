@@ -198,3 +198,35 @@ def test_strided_box_from_a_damaged_step_is_refused(tmp_path):
     target = torch.empty(600, 500)
     with pytest.raises(CorruptCheckpointError, match=r"bytes \[1474560, 1523712\) of the chunk \(block 30\)"):
         _read(str(tmp_path), ShardedTensor.from_rank_offsets("m", target, (1, 1, 2)))
+
+
+def test_a_load_leaves_the_collector_as_it_found_it(tmp_path):
+    """Loads pause the cyclic collector while they describe and plan (thousands of small objects);
+    afterwards it is enabled again, after a failed load too, and a collector the caller had
+    disabled stays disabled."""
+    import gc
+
+    want = {f"t{i}": torch.full((4,), float(i)) for i in range(50)}
+    Checkpointer().save(tmp_path / "c", want)
+    got = {k: torch.zeros(4) for k in want}
+    assert gc.isenabled()
+    Checkpointer().load(tmp_path / "c", got, no_dist=True)
+    assert gc.isenabled() and all(torch.equal(got[k], v) for k, v in want.items())
+
+    ((file, spec),) = list(Checkpointer().get_metadata(str(tmp_path / "c")).tensors["t7"].chunks())
+    with open(tmp_path / "c" / file, "r+b") as f:
+        f.seek(spec.byte_range[0] + 1)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CorruptCheckpointError, match="key 't7'"):
+        Checkpointer().load(tmp_path / "c", {k: torch.zeros(4) for k in want}, no_dist=True)
+    assert gc.isenabled()
+
+    gc.disable()
+    try:
+        with pytest.raises(CorruptCheckpointError, match="key 't7'"):
+            Checkpointer().load(tmp_path / "c", {k: torch.zeros(4) for k in want}, no_dist=True)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
