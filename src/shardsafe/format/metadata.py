@@ -749,8 +749,10 @@ class StorageMetadata(BaseModel):
 
 def _layout_key(shape: tuple[int, ...], table: dict) -> tuple[tuple[int, ...], str]:
     """Equal for tensors whose parsed chunk tables are equal and shapes too: a model's tensors
-    share a few layouts, and each is decoded (and checked) once per document."""
-    return shape, json.dumps(table, separators=(",", ":"))
+    share a few layouts, and each is decoded (and checked) once per document. ``repr`` of a
+    parsed JSON value tells values apart as its text does (``1``, ``1.0`` and ``True`` differ),
+    in half the time of ``json.dumps``: it runs once per tensor."""
+    return shape, repr(table)
 
 
 def sealed_data_files(raw: bytes, *, where: str) -> set[str]:
