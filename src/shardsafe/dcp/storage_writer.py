@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from .._args import check_bool
 from ..adapters.subclasses import as_plain, class_path
-from ..engine.buffers import WriteBehind, byte_view
+from ..engine.buffers import WriteBehind, byte_view, resolve_lazy
 from ..engine.commit import CommitUnknownError, committed_version, put_metadata, sweep
 from ..errors import (
     CheckpointError,
@@ -367,7 +367,7 @@ def _resolved_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
         raise ShapeMismatchError(
             f"key {key!r}: the save planner resolved a chunk of shape {list(data.shape)}, its plan says {list(td.chunk.sizes)}"
         )
-    data = data.detach().resolve_conj().resolve_neg()  # a lazy view's bytes are not its values
+    data = resolve_lazy(data.detach())
     if data.device.type != "cpu":
         data = data.to("cpu")
     return data.contiguous()

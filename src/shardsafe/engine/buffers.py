@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-__all__ = ["Scratch", "WriteBehind", "byte_view", "can_read_into", "is_lazy_view"]
+__all__ = ["Scratch", "WriteBehind", "byte_view", "can_read_into", "is_lazy_view", "resolve_lazy"]
 
 _LAZY_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative)
 
@@ -24,6 +24,12 @@ def is_lazy_view(t: torch.Tensor) -> bool:
     AdamW state went from 39.3 to 37.0 ms (median of 40, interleaved in one process)."""
     keys = torch._C._dispatch_keys(t)
     return keys.has(_LAZY_KEYS[0]) or keys.has(_LAZY_KEYS[1])
+
+
+def resolve_lazy(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a lazy conjugate or negative view a tensor whose bytes are its values: what
+    a writer stores."""
+    return t.resolve_conj().resolve_neg() if is_lazy_view(t) else t
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

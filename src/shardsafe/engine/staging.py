@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import CheckpointError
-from .buffers import is_lazy_view
+from .buffers import resolve_lazy
 
 __all__ = ["RINGS", "RingAborted", "aligned", "StagingRing", "Unit", "UnitQueue", "live_units", "stage", "stage_pieces"]
 
@@ -127,9 +127,7 @@ def item_data(item: Any, local: dict[str, Any]) -> torch.Tensor:
     if item.flat is None and (item.offsets, item.lengths) != (piece_off, piece_lens):  # part of a split replica
         start = item.offsets[0] - piece_off[0]
         view = view[start : start + item.lengths[0]]
-    if is_lazy_view(view):  # a lazy conjugate or negative view: its bytes are not its values
-        view = view.resolve_conj().resolve_neg()
-    return view  # describe_state's views are detached already
+    return resolve_lazy(view)  # describe_state's views are detached already
 
 
 def check_size(item: Any, data: torch.Tensor) -> None:
