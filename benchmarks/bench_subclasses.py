@@ -3,9 +3,10 @@ plain AdamW state, per byte of checkpoint, in one run; torch.distributed.checkpo
 both beside it (issue 25: "costs no more per byte than a plain one").
 
 One process, a local directory (the page cache warm for every repetition, as for every
-method; before each save, untimed, ``os.sync()`` writes back what the last one left dirty). Each method saves the same model and optimizer ``--reps`` times (overwriting) and loads
-it back in place as many times, the methods interleaved (the order rotated each repetition);
-the median is reported. Prints a table and one line:
+method; before each save, untimed, ``os.sync()`` writes back what the last one left dirty).
+Each method saves the same model and optimizer ``--reps`` times (overwriting) and loads it back
+in place three times as often, the methods interleaved (the order rotated each repetition); the
+medians are reported. Prints a table and one line:
 
     SUBCLASS save_per_byte_x=... load_per_byte_x=... dcp_save_per_byte_x=... dcp_load_per_byte_x=... target_save<=1.0x:ok ...
 
